@@ -1,0 +1,100 @@
+"""The attention-backend interface and the metadata every backend reads.
+
+A step's tokens come as one flat batch with no padding. Sequence ``i`` contributes the new tokens
+``q[query_start_loc[i] : query_start_loc[i + 1]]``; they are the *last* ``query_len_i`` tokens of its
+``seq_lens[i]`` tokens of context, so token ``j`` of them sits at position ``seq_lens[i] - query_len_i + j``.
+Before attending, a backend writes each new token's K/V into the paged cache at ``slot_mapping``
+(``slot = block_id * block_size + offset``; a slot of -1 is not written). Sequence ``i``'s context lives in the blocks
+``block_tables[i, : ceil(seq_lens[i] / block_size)]``.
+
+KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 keys, 1 values).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, on the device
+    seq_lens: torch.Tensor  # [num_seqs] int32, on the device
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    # Host copies (the reference path and the runner's bookkeeping read these without a device sync).
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(Protocol):
+    """Writes the new K/V into the cache, then attends each sequence's queries to its cached context (causal,
+    optionally a sliding window of the last ``sliding_window`` positions, the query's own included)."""
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter new keys/values into the paged cache. k, v: [num_tokens, num_kv_heads, head_dim]."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+        flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    else:
+        idx = slot_mapping[valid]
+        flat[0].index_copy_(0, idx, k[valid].to(kv_cache.dtype))
+        flat[1].index_copy_(0, idx, v[valid].to(kv_cache.dtype))
+
+
+def get_attention_backend(name: str = "torch", device: torch.device | str = "cpu") -> AttentionBackend:
+    """``torch``: the reference (any device); ``triton``: the GPU kernels; ``auto``: triton on CUDA when importable."""
+    if name == "auto":
+        name = "triton" if torch.device(device).type == "cuda" and _triton_available() else "torch"
+    if name == "torch":
+        from rooflm.attention.torch_ref import TorchRefAttention
+
+        return TorchRefAttention()
+    if name == "triton":
+        from rooflm.attention.triton_backend import TritonAttention
+
+        return TritonAttention()
+    raise ValueError(f"attention_backend={name!r} is unknown: expected 'torch', 'triton' or 'auto'")
+
+
+def _triton_available() -> bool:
+    try:
+        import importlib.util
+
+        return importlib.util.find_spec("triton") is not None and importlib.util.find_spec(
+            "rooflm.attention.triton_backend") is not None
+    except Exception:
+        return False

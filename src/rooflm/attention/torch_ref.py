@@ -1,0 +1,68 @@
+"""Reference attention over the paged KV cache in plain torch: the CPU path and the oracle for every GPU kernel.
+
+Obviously correct, not fast: for each sequence it gathers the context from the block table and runs masked softmax
+attention in float32.
+"""
+from __future__ import annotations
+
+import torch
+
+from rooflm.attention.backend import AttentionMetadata, write_kv_cache
+
+
+def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of one sequence's first ``seq_len`` positions: each [seq_len, num_kv_heads, head_dim]."""
+    block_size = kv_cache.shape[2]
+    n_blocks = (seq_len + block_size - 1) // block_size
+    blocks = block_table[:n_blocks].long()
+    k = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len]
+    v = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len]
+    return k, v
+
+
+def attend(
+    q: torch.Tensor,  # [q_len, num_heads, head_dim]: the last q_len positions of the context
+    k: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [q_len, num_heads, head_dim]
+    q_len, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    kf = k.float().repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale  # [num_heads, q_len, seq_len]
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+    k_pos = torch.arange(seq_len, device=q.device)[None, :]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= k_pos > q_pos - sliding_window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, vf).to(q.dtype)
+
+
+class TorchRefAttention:
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        starts = meta.query_start_loc_cpu
+        for i, seq_len in enumerate(meta.seq_lens_cpu):
+            s, e = starts[i], starts[i + 1]
+            if e == s:
+                continue
+            kc, vc = gather_context(kv_cache, meta.block_tables[i], seq_len)
+            out[s:e] = attend(q[s:e], kc, vc, scale, sliding_window)
+        return out

@@ -1,0 +1,48 @@
+"""The ``rooflm`` command. Each sub-command lives with its concept and registers itself here:
+a module named in ``_COMMAND_MODULES`` exposes ``register(subparsers)`` and imports only the standard library at its
+top level, so ``rooflm --help`` stays fast; each command's ``func(args) -> int`` imports what it needs."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+_COMMAND_MODULES = (
+    "rooflm.entrypoints.cli",  # generate, chat, demo
+    "rooflm.roofline.cli",  # analyze
+    "rooflm.server.cli",  # serve
+    "rooflm.bench.cli",  # bench latency | throughput | serve
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rooflm", description="An LLM inference engine that knows its roofline.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:  # a part not built yet, or an extra not installed
+            if e.name and (e.name == name or name.startswith(e.name + ".")):
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError) as e:  # user errors: one clear line, no traceback
+        print(f"rooflm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Typed configuration. Every dataclass validates itself in ``__post_init__``: a bad value raises ``ValueError``
+naming the field, the value seen and what is accepted."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+def _bad(cls: str, name: str, value: object, accepted: str) -> ValueError:
+    return ValueError(f"{cls}.{name}={value!r} is invalid: expected {accepted}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model architecture
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    """Architecture hyper-parameters, in Hugging Face config.json names. Built from a HF config dict, a named config
+    shipped in ``rooflm/configs`` or GGUF metadata (see ``load_model_config``)."""
+
+    architecture: str  # e.g. "LlamaForCausalLM"
+    model_type: str  # e.g. "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projection bias (Qwen2)
+    sliding_window: int | None = None  # None: full attention
+    hidden_act: str = "silu"
+    num_local_experts: int = 0  # MoE (Mixtral); 0 means dense
+    num_experts_per_tok: int = 0
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+    torch_dtype: str | None = None
+    name: str | None = None  # a named config's name, or the path it came from
+    source: str | None = None  # where the numbers come from
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)  # the raw dict (for transformers)
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise _bad("ModelConfig", f, v, "a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise _bad("ModelConfig", "num_key_value_heads", self.num_key_value_heads,
+                       f"a divisor of num_attention_heads={self.num_attention_heads}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_local_experts > 0
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], name: str | None = None) -> "ModelConfig":
+        archs = d.get("architectures") or []
+        model_type = d.get("model_type", "")
+        arch = archs[0] if archs else _ARCH_BY_TYPE.get(model_type, model_type or "unknown")
+        heads = d["num_attention_heads"]
+        eos = d.get("eos_token_id")
+        eos_list = [] if eos is None else (list(eos) if isinstance(eos, (list, tuple)) else [eos])
+        sliding = d.get("sliding_window")
+        if d.get("use_sliding_window") is False:  # Qwen2 ships a window it does not use
+            sliding = None
+        rope_scaling = d.get("rope_scaling")
+        rope_theta = d.get("rope_theta")
+        rope_params = d.get("rope_parameters")  # transformers >= 5 folds theta and scaling in here
+        if isinstance(rope_params, dict):
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = dict(rope_params)
+        return cls(
+            architecture=arch,
+            model_type=model_type,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            sliding_window=sliding,
+            hidden_act=d.get("hidden_act", "silu"),
+            num_local_experts=d.get("num_local_experts", 0) or 0,
+            num_experts_per_tok=d.get("num_experts_per_tok", 0) or 0,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos_list,
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            name=name or d.get("_name"),
+            source=d.get("_source"),
+            hf_config={k: v for k, v in d.items() if not k.startswith("_")},
+        )
+
+
+_ARCH_BY_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+
+
+def named_configs() -> list[str]:
+    """Names of the configs shipped with rooflm (hyper-parameters only), e.g. ``llama-2-7b``."""
+    files = resources.files("rooflm") / "configs"
+    return sorted(p.name[: -len(".json")] for p in files.iterdir() if p.name.endswith(".json"))
+
+
+def load_model_config(model: str) -> ModelConfig:
+    """Resolve ``model`` to its architecture: a named config (``llama-2-7b``), a checkpoint folder with config.json,
+    a config.json file, or a GGUF file."""
+    if model in named_configs():
+        text = (resources.files("rooflm") / "configs" / f"{model}.json").read_text()
+        return ModelConfig.from_hf_dict(json.loads(text), name=model)
+    if os.path.isdir(model):
+        path = os.path.join(model, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"model={model!r}: the folder has no config.json")
+        with open(path) as f:
+            return ModelConfig.from_hf_dict(json.load(f), name=model)
+    if os.path.isfile(model) and model.endswith(".json"):
+        with open(model) as f:
+            return ModelConfig.from_hf_dict(json.load(f), name=model)
+    if os.path.isfile(model) and model.endswith(".gguf"):
+        from rooflm.loader.gguf import read_gguf_config
+
+        return read_gguf_config(model)
+    raise ValueError(
+        f"model={model!r} is neither a named config ({', '.join(named_configs())}), a folder with config.json, "
+        "a config.json file nor a .gguf file"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Engine
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None: a default from the device
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None  # tests: an exact pool size
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise _bad("CacheConfig", "block_size", self.block_size, "a positive integer")
+        if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory < 1):
+            raise _bad("CacheConfig", "kv_cache_memory", self.kv_cache_memory, "a positive number of bytes")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise _bad("CacheConfig", "num_gpu_blocks_override", self.num_gpu_blocks_override, "a positive integer")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_num_seqs: int = 256  # running requests (each of the n samples counts) at most
+    max_model_len: int = 2048  # prompt + generated tokens of one sequence at most
+
+    def __post_init__(self) -> None:
+        for f in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise _bad("SchedulerConfig", f, v, "a positive integer")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct GGUF)
+    load_format: str = "auto"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda if available
+    tokenizer: str | None = None
+    max_model_len: int | None = None  # None: min(model's max_position_embeddings, 2048 on CPU / 8192 on CUDA)
+    kv_cache_memory: int | None = None
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    seed: int = 0  # dummy weights and requests without their own seed
+    enforce_eager: bool = False  # no CUDA graphs
+    attention_backend: str = "auto"  # "torch" (reference) | "triton" | "auto"
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise _bad("EngineConfig", "load_format", self.load_format, f"one of {LOAD_FORMATS}")
+        if self.dtype not in ("auto",) + SUPPORTED_DTYPES:
+            raise _bad("EngineConfig", "dtype", self.dtype, f"'auto' or one of {SUPPORTED_DTYPES}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise _bad("EngineConfig", "attention_backend", self.attention_backend, "'auto', 'torch' or 'triton'")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise _bad("EngineConfig", "max_model_len", self.max_model_len, "a positive integer or None")
+        # The sub-configs validate the rest.
+        self.cache_config()
+        SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len or 1)
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching,
+                           self.num_gpu_blocks_override)
