@@ -1,15 +1,29 @@
 """Per-request sampling options, with vLLM's names where they exist.
 
 Every field is validated in ``__post_init__``; a bad value raises ``ValueError`` whose message names the field,
-the value seen and what would be accepted.
+the value seen and what would be accepted, e.g. ``SamplingParams.top_p=0 is invalid: expected a number in (0, 1]``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, replace
+
+# A temperature below this is treated as greedy (dividing logits by it would overflow float32).
+SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20
 
 
 def _fail(name: str, value: object, accepted: str) -> None:
     raise ValueError(f"SamplingParams.{name}={value!r} is invalid: expected {accepted}")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    """A finite int or float (bools are not numbers here)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass
@@ -17,7 +31,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
+    top_k: int = 0  # 0 or -1: disabled (-1 is normalised to 0)
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -25,8 +39,8 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int | None = 16  # None: until max_model_len
     min_tokens: int = 0
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
+    stop: list[str] | str | None = None  # normalised to list[str]
+    stop_token_ids: list[int] | None = None  # normalised to list[int]
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token (the chosen token always included)
@@ -34,56 +48,67 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        # Container types are checked before normalising, so a bad type is a ValueError, not a TypeError.
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == -1:
+        elif self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        else:
+            _fail("stop", self.stop, "a non-empty string or a list of non-empty strings")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            _fail("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
+        if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
         self._validate()
 
     def _validate(self) -> None:
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             _fail("n", self.n, "an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            _fail("temperature", self.temperature, "a number >= 0 (0 means greedy)")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _is_real(self.temperature) or self.temperature < 0:
+            _fail("temperature", self.temperature, "a finite number >= 0 (0 means greedy)")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             _fail("top_p", self.top_p, "a number in (0, 1]")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            _fail("top_k", self.top_k, "an integer >= 0 (0 or -1 disables it)")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+        if not _is_int(self.top_k) or self.top_k < 0:
+            _fail("top_k", self.top_k, "an integer >= 1, or 0 or -1 to disable it")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
             _fail("min_p", self.min_p, "a number in [0, 1]")
-        if not isinstance(self.repetition_penalty, (int, float)) or self.repetition_penalty <= 0:
-            _fail("repetition_penalty", self.repetition_penalty, "a number > 0 (1 disables it)")
+        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            _fail("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 disables it)")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not -2 <= v <= 2:
+            if not _is_real(v) or not -2 <= v <= 2:
                 _fail(name, v, "a number in [-2, 2]")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+        if self.seed is not None and not _is_int(self.seed):
             _fail("seed", self.seed, "an integer or None")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1
-        ):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             _fail("max_tokens", self.max_tokens, "an integer >= 1 or None")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
             _fail("min_tokens", self.min_tokens, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _fail("min_tokens", self.min_tokens, f"at most max_tokens={self.max_tokens}")
         if not all(isinstance(s, str) and s for s in self.stop):
             _fail("stop", self.stop, "a non-empty string or a list of non-empty strings")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 20):
-                _fail(name, v, "None or an integer in [0, 20]")
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                _fail(name, v, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                _fail(name, v, "True or False")
 
     @property
     def greedy(self) -> bool:
-        """Greedy decoding: temperature 0 (top_k=1 gives the same tokens through the sampling path)."""
-        return self.temperature == 0
+        """Greedy decoding: temperature 0 (below SAMPLING_EPS). top_k=1 gives the same tokens."""
+        return self.temperature < SAMPLING_EPS
 
     def clone(self, **changes: object) -> "SamplingParams":
-        from dataclasses import replace
-
         return replace(self, **changes)

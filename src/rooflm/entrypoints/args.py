@@ -1,0 +1,65 @@
+"""Command-line options generated from the config dataclasses, so the CLI and the Python API never drift apart."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+_HELP = {
+    "model": "a GGUF file, a Hugging Face checkpoint folder or a named config (default: embedded SmolLM2-135M-Instruct)",
+    "load_format": "auto | safetensors | gguf | dummy (random weights from the config)",
+    "dtype": "auto | float32 | float16 | bfloat16",
+    "kv_cache_memory": "bytes for the KV-cache pool (suffixes K, M, G accepted)",
+    "max_num_batched_tokens": "token budget of one engine step (chunked prefill)",
+}
+
+
+def parse_bytes(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes (e.g. 536870912, 512M, 2G)") from None
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true/false)")
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        args = typing.get_args(hint)
+        base = next((a for a in args if a is not type(None)), hint) if args else hint
+        default = f.default if f.default is not dataclasses.MISSING else None
+        kind = {int: int, float: float, str: str, bool: _bool}.get(base, str)
+        if f.name == "kv_cache_memory":
+            kind = parse_bytes
+        help_text = _HELP.get(f.name, "") + f" (default: {default})"
+        if base is bool:
+            parser.add_argument(flag, type=_bool, nargs="?", const=True, default=default, help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, default=default, help=help_text)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    from rooflm.config import EngineConfig
+
+    add_dataclass_args(parser, EngineConfig)
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from rooflm.config import EngineConfig
+
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})

@@ -1,0 +1,34 @@
+"""Token embedding and the output projection (LM head), which may share the embedding's weight."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rooflm.layers.linear import apply_linear
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [num_tokens] long -> [num_tokens, hidden]."""
+        return F.embedding(input_ids, self.weight)
+
+
+class LMHead(nn.Module):
+    """Hidden states to float32 logits. With ``tie_to`` it reuses that embedding's weight (no copy)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tie_to: VocabEmbedding | None = None) -> None:
+        super().__init__()
+        self.tied = tie_to is not None
+        if tie_to is not None:
+            self.weight = tie_to.weight  # the same Parameter object: one tensor in memory
+        else:
+            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> [N, vocab] float32."""
+        return apply_linear(hidden, self.weight).float()

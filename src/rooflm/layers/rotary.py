@@ -1,0 +1,72 @@
+"""Rotary position embedding (RoPE), HF "rotate_half" layout: dimension i pairs with i + head_dim / 2.
+
+Supported ``rope_scaling`` types: none/"default", "linear", "llama3" (Llama 3.1's frequency-dependent scaling) and
+"freq_factors" (per-frequency divisors as stored in GGUF files' ``rope_freqs`` tensor, llama.cpp's form of llama3).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+
+
+def base_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
+    """[rotary_dim // 2] float32: theta ** (-2i / rotary_dim)."""
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1: long wavelengths are divided by ``factor``, short ones kept, the band between interpolated."""
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+    old_context = float(scaling.get("original_max_position_embeddings", 8192))
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def compute_inv_freq(rotary_dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv_freq = base_inv_freq(rotary_dim, theta)
+    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(rope_scaling["factor"])
+    if rope_type == "llama3":
+        return llama3_inv_freq(inv_freq, rope_scaling)
+    if rope_type == "freq_factors":
+        return inv_freq / torch.tensor(rope_scaling["factors"], dtype=torch.float32)
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported: expected one of {SUPPORTED_ROPE_TYPES}")
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, head_dim // 2] (x's dtype). Returns x rotated."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the inverse frequencies; ``cos_sin(positions)`` is computed once per forward and shared by all layers."""
+
+    def __init__(self, head_dim: int, theta: float, rope_scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        # float32 whatever the model dtype (excluded from .to(dtype) casting by being re-made in float32 on use).
+        self.register_buffer("inv_freq", compute_inv_freq(head_dim, theta, rope_scaling), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [num_tokens] long -> cos, sin: [num_tokens, head_dim // 2] in ``dtype`` (angles in float32)."""
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)

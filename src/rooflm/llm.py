@@ -1,0 +1,113 @@
+"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``, with vLLM's names."""
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from rooflm.config import EngineConfig
+from rooflm.engine.engine import LLMEngine
+from rooflm.outputs import RequestOutput
+from rooflm.sampling_params import SamplingParams
+
+Message = dict[str, str]
+
+
+class LLM:
+    """An engine for offline batches. ``model=None`` loads the embedded default (SmolLM2-135M-Instruct).
+
+    Keyword arguments are ``EngineConfig`` fields: load_format, dtype, device, tokenizer, max_model_len,
+    kv_cache_memory, block_size, max_num_batched_tokens, max_num_seqs, enable_prefix_caching, seed, enforce_eager,
+    attention_backend, num_gpu_blocks_override, show_progress.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        fields = set(EngineConfig.__dataclass_fields__)
+        unknown = sorted(set(kwargs) - fields)
+        if unknown:
+            raise ValueError(f"LLM() got unknown option(s) {unknown}: accepted are {sorted(fields - {'model'})}")
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | Seq[str] | Seq[list[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run the prompts through continuous batching; outputs come back in the prompts' order.
+        A single prompt may be a string or a list of token ids."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        return self._run([(p, sp) for p, sp in zip(prompts, params)], use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template (as transformers' ``apply_chat_template`` does) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        token_lists = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(token_lists, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError(f"model={self.engine.model_name!r} has no chat template")
+        if not messages:
+            raise ValueError("messages is empty: a chat needs at least one message")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"messages[{i}]={m!r:.80} is invalid: expected {{'role': ..., 'content': ...}}")
+        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    def _run(self, items: list[tuple[str | list[int], SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        # Validate everything before queueing anything, so a bad prompt leaves the engine untouched.
+        ids = []
+        try:
+            for prompt, sp in items:
+                ids.append(engine.add_request(None, prompt, sp))
+        except ValueError:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        bar = _progress(len(ids)) if use_tqdm and len(ids) > 1 else None
+        try:
+            while any(r is None for r in results):
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        if bar is not None:
+                            bar.update(1)
+                if not engine.has_unfinished_requests() and any(r is None for r in results):
+                    raise RuntimeError("the engine stopped with requests unfinished")
+        except BaseException:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return results  # type: ignore[return-value]
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True)

@@ -1,0 +1,223 @@
+"""The Llama family: Llama 1/2/3 (MHA, GQA, MQA; RoPE incl. llama3 scaling), Mistral (sliding-window attention) and
+Qwen2 (q/k/v bias). One decoder for all three; the config decides the differences.
+
+Weights are FUSED: one ``qkv_proj`` ([q | k | v] rows) and one ``gate_up_proj`` ([gate | up] rows) per layer;
+``load_weights`` stacks the separate Hugging Face tensors into them.
+
+Data flow (no padding, no batch dimension): T tokens of any number of sequences,
+  input_ids [T] -> hidden [T, hidden] -> decoder layers (residual stream kept apart) -> final norm -> [T, hidden].
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from rooflm.attention.backend import AttentionBackend, AttentionMetadata
+from rooflm.config import ModelConfig
+from rooflm.layers.activation import get_gated_activation
+from rooflm.layers.attention import Attention
+from rooflm.layers.embedding import LMHead, VocabEmbedding
+from rooflm.layers.linear import Linear
+from rooflm.layers.norm import RMSNorm
+from rooflm.layers.rotary import RotaryEmbedding, apply_rotary
+from rooflm.models.weights import WeightTarget, load_named_weights, rows
+
+
+def layer_sliding_window(cfg: ModelConfig, layer_idx: int) -> int | None:
+    """The attention window of one layer: None for full attention. HF configs with ``layer_types`` (Qwen2) choose
+    per layer; otherwise ``sliding_window`` applies to every layer (Mistral)."""
+    if cfg.sliding_window is None:
+        return None
+    layer_types = cfg.hf_config.get("layer_types")
+    if layer_types:
+        return cfg.sliding_window if layer_types[layer_idx] == "sliding_attention" else None
+    return cfg.sliding_window
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend,
+                              sliding_window=layer_sliding_window(cfg, layer_idx))
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, head_dim // 2]
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        T = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(T, self.num_heads, self.head_dim), cos, sin)  # [T, num_heads, head_dim]
+        k = apply_rotary(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)  # [T, num_kv_heads, head_dim]
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+    def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
+        """HF names ``{prefix}.q_proj.weight`` etc. -> row ranges of the fused qkv_proj."""
+        t: dict[str, WeightTarget] = {}
+        shards = (("q_proj", 0, self.q_size), ("k_proj", self.q_size, self.kv_size),
+                  ("v_proj", self.q_size + self.kv_size, self.kv_size))
+        for name, start, size in shards:
+            t[f"{prefix}.{name}.weight"] = WeightTarget(self.qkv_proj.weight, rows(start, size))
+            if self.qkv_proj.bias is not None:
+                t[f"{prefix}.{name}.bias"] = WeightTarget(self.qkv_proj.bias, rows(start, size))
+        t[f"{prefix}.o_proj.weight"] = WeightTarget(self.o_proj.weight)
+        return t
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(act(gate(x)) * up(x)), with gate and up fused into one projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)  # rows: [gate | up]
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.act_and_mul = get_gated_activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))  # via [T, 2 * intermediate], [T, intermediate]
+
+    def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
+        size = self.intermediate_size
+        return {
+            f"{prefix}.gate_proj.weight": WeightTarget(self.gate_up_proj.weight, rows(0, size)),
+            f"{prefix}.up_proj.weight": WeightTarget(self.gate_up_proj.weight, rows(size, size)),
+            f"{prefix}.down_proj.weight": WeightTarget(self.down_proj.weight),
+        }
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block. The residual stream travels beside the hidden states so each norm can fuse the add before it:
+    the layer returns (mlp output, residual) and the NEXT norm adds them."""
+
+    mlp_prefix = "mlp"  # the HF module name of the feed-forward block
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_idx, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = self.make_mlp(cfg)
+
+    def make_mlp(self, cfg: ModelConfig) -> nn.Module:
+        return LlamaMLP(cfg)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        residual: torch.Tensor | None,  # [T, hidden]; None before the first layer
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+    def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
+        t = {
+            f"{prefix}.input_layernorm.weight": WeightTarget(self.input_layernorm.weight),
+            f"{prefix}.post_attention_layernorm.weight": WeightTarget(self.post_attention_layernorm.weight),
+        }
+        t.update(self.self_attn.weight_targets(f"{prefix}.self_attn"))
+        t.update(self.mlp.weight_targets(f"{prefix}.{self.mlp_prefix}"))
+        return t
+
+
+class LlamaModel(nn.Module):
+    layer_class = LlamaDecoderLayer
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, backend) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] long
+        positions: torch.Tensor,  # [T] long
+        kv_caches: list[torch.Tensor],  # one [2, num_blocks, block_size, num_kv_heads, head_dim] per layer
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
+        t = {f"{prefix}.embed_tokens.weight": WeightTarget(self.embed_tokens.weight),
+             f"{prefix}.norm.weight": WeightTarget(self.norm.weight)}
+        for i, layer in enumerate(self.layers):
+            t.update(layer.weight_targets(f"{prefix}.layers.{i}"))
+        return t
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model interface the engine calls (see docs/architecture.md)."""
+
+    model_class = LlamaModel
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = self.model_class(config, attn_backend)
+        tie = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 (pass only the rows to sample from)."""
+        return self.lm_head(hidden)
+
+    def weight_targets(self) -> dict[str, WeightTarget]:
+        """Every HF tensor name this model expects, mapped to where it goes."""
+        t = self.model.weight_targets("model")
+        if not self.lm_head.tied:
+            t["lm_head.weight"] = WeightTarget(self.lm_head.weight)
+        return t
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors (any dtype; cast on copy). Raises ValueError on a missing tensor or a shape mismatch."""
+        optional = ("lm_head.weight",) if self.lm_head.tied else ()
+        load_named_weights(self.weight_targets(), weights, optional=optional)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama with sliding-window attention (``config.sliding_window``), passed to the attention backend."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Llama with q/k/v projection bias (``config.attention_bias``, true for Qwen2) and per-layer window choice."""
