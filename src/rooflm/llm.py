@@ -28,6 +28,13 @@ class LLM:
             raise ValueError(f"LLM() got unknown option(s) {unknown}: accepted are {sorted(fields - {'model'})}")
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        """Wrap an existing engine (e.g. one built around an already loaded model)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -47,7 +47,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, model: torch.nn.Module | None = None,
+                 model_config: ModelConfig | None = None, tokenizer: Any = None, **kwargs: Any) -> None:
+        """Load ``config.model`` (or serve an already loaded ``model`` with its ``model_config`` and ``tokenizer``,
+        e.g. one shared by several engines)."""
         from rooflm.attention.backend import get_attention_backend
         from rooflm.loader import load_model
         from rooflm.tokenizer import load_tokenizer
@@ -56,13 +59,17 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        backend = get_attention_backend(config.attention_backend, self.device)
-        self.model, self.model_config = load_model(
-            config.model, load_format=config.load_format, dtype=self.dtype, device=self.device,
-            attn_backend=backend, seed=config.seed, show_progress=config.show_progress)
-        self.model.eval()
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model) if config.load_format != "dummy" or \
-            config.tokenizer else None
+        if model is None:
+            backend = get_attention_backend(config.attention_backend, self.device)
+            model, model_config = load_model(
+                config.model, load_format=config.load_format, dtype=self.dtype, device=self.device,
+                attn_backend=backend, seed=config.seed, show_progress=config.show_progress)
+            if config.load_format != "dummy" or config.tokenizer:
+                tokenizer = load_tokenizer(config.tokenizer or config.model)
+        elif model_config is None:
+            raise ValueError("model_config is required with a preloaded model")
+        self.model, self.model_config = model.eval(), model_config
+        self.tokenizer = tokenizer
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         cfg = self.model_config
 
@@ -221,15 +228,17 @@ class LLMEngine:
         token = seq.all_token_ids[-1]
         n_out = seq.num_output_tokens
         may_stop = n_out >= p.min_tokens
+        is_eos = may_stop and not p.ignore_eos and token in self.eos_token_ids
+        is_stop_token = may_stop and token in p.stop_token_ids
         stop_str = None
         if seq.detokenizer is not None:
-            stop_str = seq.detokenizer.append(token)
+            stop_str = seq.detokenizer.append(token, is_stop_token=is_eos or is_stop_token)
             seq.text += seq.detokenizer.get_delta()
-        if may_stop and not p.ignore_eos and token in self.eos_token_ids:
+        if is_eos:
             self._finish(seq, "stop", None)
-        elif may_stop and token in p.stop_token_ids:
+        elif is_stop_token:
             self._finish(seq, "stop", token)
-        elif may_stop and stop_str is not None:
+        elif stop_str is not None:
             self._finish(seq, "stop", stop_str)
         elif (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length", None)
@@ -237,7 +246,6 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
         if seq.detokenizer is not None:
             seq.text += seq.detokenizer.flush()
-            seq.text = seq.detokenizer.output_text
         self.scheduler.finish(seq, reason, stop_reason)
 
     # -- stats ----------------------------------------------------------------------------------------------------------

@@ -118,12 +118,15 @@ class Scheduler:
             if num_seqs_after > self.config.max_num_seqs and self.running:
                 break
             hits, num_cached = [], 0
-            if seq.params.prompt_logprobs is None:  # prompt logprobs need every prompt position computed
-                hits, num_cached = self.kv.get_computed_blocks(seq.all_token_ids)
+            lookup = seq.params.prompt_logprobs is None  # prompt logprobs need every prompt position computed
+            if lookup:
+                hits, num_cached = self.kv.get_computed_blocks(seq.all_token_ids, record=False)
             num_new = min(seq.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(seq.seq_id, num_cached, num_cached + num_new, hits):
                 break  # FCFS: nobody jumps the queue
             self.waiting.popleft()
+            if lookup and self.kv.enable_prefix_caching:
+                self.kv.record_lookup(seq.num_tokens, num_cached)
             seq.status = SeqStatus.RUNNING
             seq.num_computed_tokens = num_cached
             if seq.index == 0 and seq.num_preemptions == 0:

@@ -16,8 +16,9 @@
 #   block_tables [num_seqs, max_blocks] int32;  seq_lens [num_seqs] int32 (0 allowed: padded rows of a CUDA graph)
 #   out          [num_seqs, num_heads, head_dim]
 # Query of sequence i sits at position seq_lens[i] - 1 and sees positions [max(0, seq_len - window), seq_len).
-# The kernel reads no host value that changes between steps (only NUM_SPLITS, chosen from the batch shape), so a
-# decode step that calls it can be captured in a CUDA graph and replayed at any context length.
+# The kernel reads no host value that changes between steps (only num_splits, chosen from the batch shape), so a
+# decode step that calls it can be captured in a CUDA graph and replayed at any context length. num_splits is a
+# runtime argument (one compile serves every batch size).
 from __future__ import annotations
 
 import math
@@ -26,12 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
+from rooflm.kernels._tl import dot, dot_upcast
 from rooflm.kernels._utils import check_last_dim_contiguous, device_sms, next_pow2
 
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr,  # DIRECT: [num_seqs, num_heads, head_dim] in q's dtype; else partials [num_seqs, num_heads, S, D] fp32
@@ -42,12 +44,13 @@ def _decode_split_kernel(
     stride_kb, stride_ks, stride_kh,  # cache strides: block, slot in block, kv head (shared by K and V)
     stride_bt,
     stride_os, stride_oh, stride_osplit,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     DIRECT: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block (page)
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -56,7 +59,7 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     span = seq_len - start
-    chunk = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
     lo = start + split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
 
@@ -79,14 +82,14 @@ def _decode_split_kernel(
         row = blk * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks + kvh * stride_kh  # [BLOCK_N]
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D]
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N]
+        s = dot(q, tl.trans(k), DOT_UPCAST) * qk_scale  # [GROUP_PAD, BLOCK_N]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_UPCAST)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -99,25 +102,25 @@ def _decode_split_kernel(
         o = out_ptr + seq * stride_os + heads[:, None] * stride_oh + split * stride_osplit + offs_d[None, :]
         tl.store(o, acc, mask=o_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(lse_ptr + (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split, lse, mask=mask_g)
+        tl.store(lse_ptr + (seq * (GROUP * tl.num_programs(1)) + heads) * num_splits + split, lse, mask=mask_g)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_ptr, lse_ptr, out_ptr,
     stride_ps, stride_ph, stride_psplit,
     stride_os, stride_oh,
-    num_heads,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    num_heads, num_splits,
+    SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    mask_s = offs_s < NUM_SPLITS
+    mask_s = offs_s < num_splits
     mask_d = offs_d < HEAD_DIM
-    lse = tl.load(lse_ptr + (seq * num_heads + head) * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))
+    lse = tl.load(lse_ptr + (seq * num_heads + head) * num_splits + offs_s, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # an empty context (seq_len 0) gives zeros, never NaN
     w = tl.exp2(lse - m)  # [SPLITS_PAD]
@@ -181,14 +184,15 @@ def paged_decode_attention(
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
-        *strides_o,
-        NUM_SPLITS=num_splits, DIRECT=direct, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n, num_warps=4, num_stages=2,
+        *strides_o, num_splits,
+        DIRECT=direct, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n, DOT_UPCAST=dot_upcast(q.dtype),
+        num_warps=4, num_stages=2,
     )
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part, lse, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1), num_heads,
-            NUM_SPLITS=num_splits, SPLITS_PAD=max(2, next_pow2(num_splits)), HEAD_DIM=head_dim,
+            num_splits, SPLITS_PAD=max(16, next_pow2(num_splits)), HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad, num_warps=4,
         )
     return out

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rooflm.kernels._tl import dot, dot_upcast
 from rooflm.kernels._utils import check_last_dim_contiguous, next_pow2
 
 _LOG2E = 1.4426950408889634
@@ -36,6 +37,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
 ):
     mblk = tl.program_id(0)
     head = tl.program_id(1)
@@ -72,7 +74,7 @@ def _prefill_kernel(
         row = blk * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks + kvh * stride_kh
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D]
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = dot(q, tl.trans(k), DOT_UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
         allowed = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
         allowed = allowed & ((window <= 0) | (offs_n[None, :] > q_pos[:, None] - window))
         s = tl.where(allowed, s, float("-inf"))
@@ -82,7 +84,7 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_UPCAST)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -137,7 +139,7 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_UPCAST=dot_upcast(q.dtype), num_warps=warps, num_stages=stages,
     )
     return out
 

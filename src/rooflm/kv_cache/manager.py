@@ -81,12 +81,13 @@ class KVCacheManager:
 
     # ---- prefix lookup ----------------------------------------------------------------------------------------
 
-    def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, token_ids: Sequence[int], record: bool = True) -> tuple[list[KVBlock], int]:
         """The longest run of cached full blocks matching the start of `token_ids`, and the tokens they cover.
 
         Capped at ``(len(token_ids) - 1) // block_size`` blocks so at least one token is left to compute (the
         forward pass must produce logits for the last token). Takes no reference: pass the blocks to
-        ``allocate_slots`` right away, before anything else can evict them. Every call counts in the statistics.
+        ``allocate_slots`` right away, before anything else can evict them. Counts in the statistics unless
+        ``record`` is False (a caller that may retry records the lookup that succeeds with ``record_lookup``).
         """
         if not self.enable_prefix_caching:
             return [], 0
@@ -101,9 +102,14 @@ class KVCacheManager:
                 break
             hits.append(block)
         num_cached_tokens = len(hits) * bs
-        self.prefix_queries += len(token_ids)
-        self.prefix_hits += num_cached_tokens
+        if record:
+            self.record_lookup(len(token_ids), num_cached_tokens)
         return hits, num_cached_tokens
+
+    def record_lookup(self, num_tokens: int, num_cached_tokens: int) -> None:
+        """Count one prefix-cache lookup of ``num_tokens`` tokens, ``num_cached_tokens`` of them found."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_cached_tokens
 
     # ---- allocation -------------------------------------------------------------------------------------------
 

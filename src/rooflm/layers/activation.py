@@ -7,6 +7,14 @@ import torch.nn.functional as F
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [num_tokens, 2 * intermediate] laid out as [gate | up]. Returns silu(gate) * up: [num_tokens, intermediate]."""
+    if gate_up.is_cuda:
+        # GPU fast path (issue 5): one Triton kernel reading [gate | up] once; rooflm/kernels/activation.py
+        from rooflm import kernels
+
+        if kernels.enabled():
+            from rooflm.kernels.activation import silu_and_mul as fused_silu_and_mul
+
+            return fused_silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -34,8 +34,12 @@ class Attention(nn.Module):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        kv_written: bool = False,  # the caller already wrote k/v into the cache (backend.rotary_and_write, GPU)
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        if kv_written:
+            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, kv_written=True)
+        else:
+            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

@@ -14,6 +14,15 @@ from torch import nn
 def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``. x: [num_tokens, in_features]; weight: [out_features, in_features] (HF layout);
     bias: [out_features] or None. Returns [num_tokens, out_features] in x's dtype."""
+    if x.is_cuda and x.shape[0] <= 16 and x.dim() == 2:
+        # GPU fast path (issue 5): at <= 16 rows a GEMV / flat-GEMM Triton kernel, picked per shape by timing it
+        # against F.linear (FlashDecoding++'s heuristic); see rooflm/kernels/gemv.py. CPU and larger batches: F.linear.
+        from rooflm import kernels
+
+        if kernels.enabled():
+            from rooflm.kernels.gemv import linear as gemv_linear
+
+            return gemv_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -34,6 +34,14 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: the normalised x. With it: (normalised x + residual, the new residual)."""
+        if x.is_cuda:
+            # GPU fast path (issue 5): one Triton kernel for add + norm, same roundings; rooflm/kernels/rmsnorm.py
+            from rooflm import kernels
+
+            if kernels.enabled():
+                from rooflm.kernels.rmsnorm import rms_norm as fused_rms_norm
+
+                return fused_rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)

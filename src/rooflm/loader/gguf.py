@@ -100,7 +100,7 @@ def read_gguf_config(path: str) -> ModelConfig:
         rope_scaling = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
     if "rope_freqs.weight" in tensor_names:  # Llama 3.1+: llama.cpp stores the per-frequency divisors as a tensor
         t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        rope_scaling = {"rope_type": "freq_factors", "factors": _dequantize(t).flatten().tolist()}
+        rope_scaling = {"rope_type": "freq_factors", "factors": dequantize_tensor(t).flatten().tolist()}
 
     eos = _meta(reader, "tokenizer.ggml.eos_token_id")
     eos_ids = [] if eos is None else [int(eos)]
@@ -141,7 +141,7 @@ def _embedding_rows(reader) -> int:
     return int(t.shape[-1])
 
 
-def _dequantize(t) -> torch.Tensor:
+def dequantize_tensor(t) -> torch.Tensor:
     """One GGUF tensor as float32 torch, in torch dimension order (reverse of GGUF's)."""
     from gguf.quants import dequantize
 
@@ -186,7 +186,7 @@ def iter_gguf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Ten
             continue
         m = _BLOCK_RE.match(t.name)
         if m and m.group(2) in _EXPERT_NAMES:  # stacked experts [E, out, in] -> one HF tensor per expert
-            w = _dequantize(t)
+            w = dequantize_tensor(t)
             for e in range(w.shape[0]):
                 yield f"model.layers.{m.group(1)}.block_sparse_moe.experts.{e}.{_EXPERT_NAMES[m.group(2)]}.weight", w[e]
             continue
@@ -194,7 +194,7 @@ def iter_gguf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Ten
         if hf is None:
             logger.warning("ignoring GGUF tensor %s: no rooflm counterpart", t.name)
             continue
-        w = _dequantize(t)
+        w = dequantize_tensor(t)
         if arch == "llama" and m and m.group(2) == "attn_q":
             w = unpermute_qk(w, cfg.num_attention_heads)
         elif arch == "llama" and m and m.group(2) == "attn_k":

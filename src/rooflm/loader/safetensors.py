@@ -28,8 +28,11 @@ def safetensors_files(folder: str) -> list[str]:
         return files
     files = sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors"))
     if not files:
+        other = sorted(n for n in os.listdir(folder) if n.endswith((".bin", ".pt", ".pth")))
+        hint = f" (found {', '.join(other[:3])}: only safetensors checkpoints are supported)" if other else ""
         raise FileNotFoundError(
-            f"no *.safetensors weight file in {folder}; use load_format='dummy' for random weights from its config"
+            f"no *.safetensors weight file in {folder}{hint}; use load_format='dummy' for random weights from its "
+            "config"
         )
     return files
 

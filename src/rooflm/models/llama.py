@@ -45,7 +45,8 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        # HF Llama's attention_bias also covers o_proj; Qwen2's q/k/v bias does not.
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias and cfg.model_type == "llama")
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend,
                               sliding_window=layer_sliding_window(cfg, layer_idx))
 
@@ -59,6 +60,15 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         T = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        fused_rotary = getattr(self.attn.backend, "rotary_and_write", None)
+        if fused_rotary is not None and hidden.is_cuda:
+            # GPU fast path (issue 5): one Triton kernel rotates q, k in place and writes k, v into the paged cache
+            # (rooflm/kernels/kv_cache.py); cos/sin rows are per token, as apply_rotary takes them.
+            q = q.view(T, self.num_heads, self.head_dim)
+            k = k.view(T, self.num_kv_heads, self.head_dim)
+            v = v.view(T, self.num_kv_heads, self.head_dim)
+            fused_rotary(q, k, v, None, cos, sin, kv_cache, meta)
+            return self.o_proj(self.attn(q, k, v, kv_cache, meta, kv_written=True))
         q = apply_rotary(q.view(T, self.num_heads, self.head_dim), cos, sin)  # [T, num_heads, head_dim]
         k = apply_rotary(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)  # [T, num_kv_heads, head_dim]
         v = v.view(T, self.num_kv_heads, self.head_dim)
@@ -74,6 +84,8 @@ class LlamaAttention(nn.Module):
             if self.qkv_proj.bias is not None:
                 t[f"{prefix}.{name}.bias"] = WeightTarget(self.qkv_proj.bias, rows(start, size))
         t[f"{prefix}.o_proj.weight"] = WeightTarget(self.o_proj.weight)
+        if self.o_proj.bias is not None:
+            t[f"{prefix}.o_proj.bias"] = WeightTarget(self.o_proj.bias)
         return t
 
 
@@ -83,8 +95,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)  # rows: [gate | up]
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        bias = bool(cfg.hf_config.get("mlp_bias", False))  # Llama option, off in every released model
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)  # rows: [gate | up]
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
         self.act_and_mul = get_gated_activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
@@ -92,11 +105,12 @@ class LlamaMLP(nn.Module):
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         size = self.intermediate_size
-        return {
-            f"{prefix}.gate_proj.weight": WeightTarget(self.gate_up_proj.weight, rows(0, size)),
-            f"{prefix}.up_proj.weight": WeightTarget(self.gate_up_proj.weight, rows(size, size)),
-            f"{prefix}.down_proj.weight": WeightTarget(self.down_proj.weight),
-        }
+        t: dict[str, WeightTarget] = {}
+        for kind in ("weight", "bias") if self.down_proj.bias is not None else ("weight",):
+            t[f"{prefix}.gate_proj.{kind}"] = WeightTarget(getattr(self.gate_up_proj, kind), rows(0, size))
+            t[f"{prefix}.up_proj.{kind}"] = WeightTarget(getattr(self.gate_up_proj, kind), rows(size, size))
+            t[f"{prefix}.down_proj.{kind}"] = WeightTarget(getattr(self.down_proj, kind))
+        return t
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -15,7 +15,7 @@ from torch import nn
 from rooflm.attention.backend import AttentionMetadata
 from rooflm.config import ModelConfig
 from rooflm.engine.sched_output import ScheduledSeq, SchedulerOutput
-from rooflm.layers.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from rooflm.layers.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs, logprobs_to_dicts
 
 
 @dataclass
@@ -47,6 +47,7 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(model_config.num_hidden_layers)]
         self.sampler = Sampler()
+        self.num_block_copies = 0  # copy-on-write copies done (n > 1 samples sharing a partly filled block)
         self.graph_runner = None  # set by the CUDA-graph capture for decode steps (worker/cuda_graphs.py)
 
     # -- inputs -----------------------------------------------------------------------------------------------------
@@ -86,6 +87,7 @@ class ModelRunner:
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
+        self.num_block_copies += len(pairs)
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         for cache in self.kv_caches:
@@ -115,9 +117,6 @@ class ModelRunner:
         if int(reps.max()) > 1:
             logits = logits.repeat_interleave(reps, dim=0)
         rows = [(s, r) for _, s in sample_seqs for r in range(len(s.generators))]
-        for row, (s, _) in enumerate(rows):
-            if s.ban_token_ids:
-                logits[row, s.ban_token_ids] = float("-inf")
         md = SamplingMetadata.from_params(
             [s.params for s, _ in rows],
             output_token_ids=[s.output_token_ids[r] for s, r in rows],
@@ -125,20 +124,21 @@ class ModelRunner:
             generators=[s.generators[r] for s, r in rows],
             device=self.device,
         )
+        if any(s.ban_token_ids for s, _ in rows):  # EOS / stop ids while under min_tokens
+            md.banned_token_ids = [s.ban_token_ids for s, _ in rows]
         so = self.sampler(logits, md)
         tokens = so.sampled_token_ids.tolist()
-        lp_ids = so.logprob_token_ids.tolist() if so.logprob_token_ids is not None else None
-        lp_vals = so.logprobs.tolist() if so.logprobs is not None else None
+        want = [s.params.logprobs for s, _ in rows]
+        lp_dicts = None
+        if so.logprobs is not None:
+            lp_dicts = logprobs_to_dicts(so.logprob_token_ids, so.logprobs, [k or 0 for k in want])
+            chosen_lp = so.logprobs[:, 0].tolist()
         for row, (s, _) in enumerate(rows):
             res = results[s.seq_id]
             res.sampled.append(tokens[row])
-            if lp_ids is not None and s.params.logprobs is not None:
-                k = s.params.logprobs
-                ids_row, vals_row = lp_ids[row], lp_vals[row]
-                d = {ids_row[j]: vals_row[j] for j in range(1, 1 + k)}
-                d[ids_row[0]] = vals_row[0]  # the sampled token, always present
-                res.logprobs.append(d)
-                res.sampled_logprobs.append(vals_row[0])
+            if lp_dicts is not None and want[row] is not None:
+                res.logprobs.append(lp_dicts[row])
+                res.sampled_logprobs.append(chosen_lp[row])
         return results
 
     def _prompt_logprobs(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor, meta: AttentionMetadata,
@@ -156,9 +156,5 @@ class ModelRunner:
             targets = torch.tensor([prompt[p + 1] for p in positions], device=self.device)
             k = s.params.prompt_logprobs or 0
             ids, vals = compute_prompt_logprobs(self.model.compute_logits(hidden[rows]), targets, k)
-            ids, vals = ids.tolist(), vals.tolist()
-            res = results[s.seq_id]
-            for r, p in enumerate(positions):
-                d = {ids[r][j]: vals[r][j] for j in range(1, 1 + k)}
-                d[ids[r][0]] = vals[r][0]  # the actual prompt token, always present
-                res.prompt_logprobs.append((p + 1, d))
+            dicts = logprobs_to_dicts(ids, vals, [k] * len(positions))  # the actual prompt token always present
+            results[s.seq_id].prompt_logprobs.extend((p + 1, d) for p, d in zip(positions, dicts))

@@ -1,0 +1,261 @@
+# GEMV and flat GEMM for the linear layers at small batch, picked per shape against torch's matmul.
+#
+# Technique: FlashDecoding++ (Hong et al. 2024, "FlashDecoding++: Faster Large Language Model Inference on GPUs",
+# section 5): during decode a linear layer is y[M, N] = x[M, K] @ W[N, K]^T with M = batch (1-16) and N, K in the
+# thousands -- a "flat" GEMM. Its cost is reading W once (N*K elements); a GEMM library tiles M to 64 or 128 rows and
+# may under-use memory bandwidth on such shapes. FlashDecoding++ keeps GEMV, flat-GEMM and GEMM implementations and
+# picks one per (M, N, K) from measurements; ``linear`` here does the same on the running device: the first time a
+# shape bucket is seen (outside a CUDA-graph capture) it times each candidate below against ``torch.nn.functional.
+# linear`` on the real weight, with the L2 flushed between runs so W is read from memory as in a real decode step,
+# and keeps the fastest.
+#
+# Kernels (W is [N, K] row-major, nn.Linear's layout; x [M, K]; out [M, N]):
+#   * sum:  M == 1. A program owns BLOCK_N output columns; it streams [BLOCK_N, BLOCK_K] tiles of W, multiplies
+#           by the x chunk and accumulates in float32 registers, reducing over K once at the end.
+#   * dot:  1 <= M <= 16. The same streaming, but x is a 16-row tile (rows >= M masked) and the product goes
+#           through tl.dot (tensor cores), so one kernel serves every flat batch size.
+#   Both can split K over SPLIT_K programs (more programs in flight when N is small); the partial sums go to a
+#   float32 workspace [SPLIT_K, M, N] and a small kernel adds them (and the bias) in a fixed order, so the result
+#   does not depend on scheduling.
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from rooflm.kernels._tl import dot, dot_upcast
+from rooflm.kernels._utils import interpreting
+
+
+@triton.jit(do_not_specialize=["M", "k_per_split"])
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_om, stride_os,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    offs_kb = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+
+    if USE_DOT:
+        offs_m = tl.arange(0, 16)
+        mask_m = offs_m < M
+        acc = tl.zeros([16, BLOCK_N], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + offs_kb
+            if EVEN_K:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+                if EVEN_N:
+                    w = tl.load(w_rows + offs_k[None, :])
+                else:
+                    w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None], other=0.0)
+            else:
+                mask_k = offs_k < k_hi
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                            mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            acc += dot(x, tl.trans(w), DOT_UPCAST)
+        if HAS_BIAS and SPLIT == 1:
+            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        o = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    else:  # M == 1
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + offs_kb
+            if EVEN_K:
+                x = tl.load(x_ptr + offs_k)
+                if EVEN_N:
+                    w = tl.load(w_rows + offs_k[None, :])
+                else:
+                    w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None], other=0.0)
+            else:
+                mask_k = offs_k < k_hi
+                x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+                w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc = tl.sum(acc2, 1)
+        if HAS_BIAS and SPLIT == 1:
+            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(out_ptr + pid_k * stride_os + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _splitk_reduce_kernel(ws_ptr, b_ptr, out_ptr, M, N, stride_om,
+                          SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    m = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(ws_ptr + (s * M + m) * N + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    use_dot: bool
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def supports(self, m: int) -> bool:
+        return 1 <= m <= 16 if self.use_dot else m == 1
+
+
+# Candidates timed by ``linear``. Keep this list short: each entry is one Triton compile per dtype at warm-up.
+CANDIDATES: tuple[GemvConfig, ...] = (
+    GemvConfig(False, 16, 256, 1, 4, 3),
+    GemvConfig(False, 32, 256, 1, 8, 3),
+    GemvConfig(False, 16, 256, 4, 4, 3),
+    GemvConfig(True, 32, 128, 1, 4, 4),
+    GemvConfig(True, 64, 128, 1, 4, 4),
+    GemvConfig(True, 32, 256, 1, 4, 3),
+    GemvConfig(True, 32, 128, 4, 4, 4),
+)
+MAX_M = 16
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig) -> torch.Tensor:
+    """out = x @ weight.T (+ bias) with one kernel configuration. x [..., K] with at most 16 rows; weight [N, K]."""
+    shape = x.shape
+    K = shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    N = weight.shape[0]
+    if weight.shape[1] != K or weight.stride(1) != 1:
+        raise ValueError(f"weight {tuple(weight.shape)} (strides {weight.stride()}) does not fit x {tuple(shape)}")
+    if not cfg.supports(M):
+        raise ValueError(f"{cfg} does not support M={M}")
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    k_tiles = triton.cdiv(K, cfg.block_k)
+    split = max(1, min(cfg.split_k, k_tiles))
+    k_per_split = triton.cdiv(k_tiles, split) * cfg.block_k
+    split = triton.cdiv(K, k_per_split)
+    even_k = K % cfg.block_k == 0
+    if split == 1:
+        dst, stride_s = out, 0
+    else:
+        dst = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+        stride_s = dst.stride(0)
+    b = bias if bias is not None else weight
+    _gemv_kernel[(triton.cdiv(N, cfg.block_n), split)](
+        x2, weight, b, dst, M, N, K, k_per_split, x2.stride(0), weight.stride(0), dst.stride(-2), stride_s,
+        HAS_BIAS=bias is not None, SPLIT=split, USE_DOT=cfg.use_dot, EVEN_N=N % cfg.block_n == 0, EVEN_K=even_k,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_UPCAST=dot_upcast(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        block = 1024
+        _splitk_reduce_kernel[(M, triton.cdiv(N, block))](dst, b, out, M, N, out.stride(0), SPLIT=split,
+                                                          HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return out.view(*shape[:-1], N)
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The twin (and the competitor the tuner times): torch's own linear."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Measure and pick (FlashDecoding++'s heuristic, decided on the running device)
+# ---------------------------------------------------------------------------------------------------------------------
+_TORCH = "torch"
+_choices: dict[tuple, GemvConfig | str] = {}
+_flush: dict[torch.device, torch.Tensor] = {}
+
+
+def _m_bucket(m: int) -> int:
+    b = 1
+    while b < m:
+        b *= 2
+    return b
+
+
+def _time(fn, device: torch.device, reps: int = 15) -> float:
+    """Median milliseconds of fn() with the L2 flushed before each run (weights come from device memory)."""
+    buf = _flush.get(device)
+    if buf is None:
+        buf = _flush[device] = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device=device)
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        buf.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def choose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | str:
+    """The implementation ``linear`` uses for this shape: a GemvConfig or "torch". Times the candidates the first
+    time a (M bucket, N, K, dtype, bias) key is seen; never times inside a CUDA-graph capture."""
+    M = x.numel() // x.shape[-1]
+    key = (_m_bucket(M), weight.shape[0], weight.shape[1], x.dtype, bias is not None, x.device)
+    pick = _choices.get(key)
+    if pick is not None:
+        return pick
+    forced = os.environ.get("ROOFLM_GEMV", "auto")
+    if forced == "off":
+        return _TORCH
+    if torch.cuda.is_current_stream_capturing():
+        return _TORCH  # no timing inside a capture; the runner warms up every bucket eagerly first
+    mb = key[0]
+    xs = torch.randn(mb, weight.shape[1], dtype=x.dtype, device=x.device)
+    results: list[tuple[float, GemvConfig | str]] = [
+        (_time(lambda: linear_ref(xs, weight, bias), x.device), _TORCH)]
+    for cfg in CANDIDATES:
+        if cfg.supports(mb):
+            results.append((_time(lambda c=cfg: gemv(xs, weight, bias, c), x.device), cfg))
+    results.sort(key=lambda r: r[0])
+    pick = results[0][1]
+    if forced == "verbose":
+        print(f"[rooflm.gemv] M<={mb} N={weight.shape[0]} K={weight.shape[1]}: "
+              + ", ".join(f"{c if isinstance(c, str) else _short(c)}={t * 1e3:.1f}us" for t, c in results))
+    _choices[key] = pick
+    return pick
+
+
+def _short(c: GemvConfig) -> str:
+    return f"{'dot' if c.use_dot else 'sum'}{c.block_n}x{c.block_k}s{c.split_k}w{c.num_warps}"
+
+
+def choices() -> dict[tuple, GemvConfig | str]:
+    """What was picked so far, for reports: {(M bucket, N, K, dtype, has_bias, device): config or "torch"}."""
+    return dict(_choices)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias through the fastest measured implementation for this shape (CUDA, at most 16 rows);
+    torch's linear otherwise."""
+    M = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (not x.is_cuda or interpreting() or M < 1 or M > MAX_M or weight.dtype != x.dtype
+            or x.dtype not in (torch.float16, torch.bfloat16) or weight.stride(-1) != 1 or weight.dim() != 2):
+        return linear_ref(x, weight, bias)
+    pick = choose(x, weight, bias)
+    if pick == _TORCH or not pick.supports(M):
+        return linear_ref(x, weight, bias)
+    return gemv(x, weight, bias, pick)

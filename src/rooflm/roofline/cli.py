@@ -1,0 +1,115 @@
+"""``rooflm analyze``: roofline analysis from the command line. Standard-library imports only at the top level (the
+``rooflm`` command imports this module to build its parser); the analyzer is pure Python and starts fast, matplotlib
+and torch load only for ``--plot`` and ``--measure``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+BITS_HELP = "32, 16, bf16, 8 (int8), fp8 or 4 (int4)"
+
+
+def _int_list(field: str, text: str) -> list[int]:
+    try:
+        values = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"{field}={text!r} is invalid: expected an integer >= 1 or a comma-separated list (1,2,4)")
+    return values
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "analyze", help="roofline analysis: per-operator OPs, bytes, bound and best time; memory; latency",
+        description="Roofline analysis of a model on a device (seed 004's LLM-Viewer, corrected). Comma lists in "
+                    "--batch, --input-len and --w-bits make a sweep, printed as one table. See docs/roofline.md.")
+    p.add_argument("model", nargs="?", help="named config (llama-2-7b, ...), config.json, checkpoint folder or .gguf")
+    p.add_argument("--hardware", default="a6000", help="device from the catalog (see --list-hardware); default a6000")
+    p.add_argument("--batch", default="1", help="batch size, or a comma list for a sweep (default 1)")
+    p.add_argument("--input-len", default="2048", help="prompt tokens, or a comma list (default 2048)")
+    p.add_argument("--output-len", type=int, default=256, help="generated tokens (default 256)")
+    p.add_argument("--decode-context", type=int, default=None,
+                   help="context of the reported decode step (default: --input-len, as seed 004's Table 1)")
+    p.add_argument("--w-bits", default="16", help=f"weight bits: {BITS_HELP}; a comma list sweeps (default 16)")
+    p.add_argument("--a-bits", default="16", help=f"activation bits: {BITS_HELP} (default 16)")
+    p.add_argument("--kv-bits", default="16", help=f"KV-cache bits: {BITS_HELP} (default 16)")
+    p.add_argument("--flash-attention", action="store_true", help="one fused attention operator")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (figures per GPU; default 1)")
+    p.add_argument("--logits", choices=("all", "last"), default="all",
+                   help="prefill lm_head on all prompt tokens (transformers) or the last only (vLLM); default all")
+    p.add_argument("--json", nargs="?", const="-", metavar="FILE", help="write JSON (to stdout without FILE)")
+    p.add_argument("--csv", nargs="?", const="-", metavar="FILE", help="write CSV (to stdout without FILE)")
+    p.add_argument("--plot", metavar="DIR", help="write PNG plots (roofline, time breakdown, sweep) into DIR")
+    p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
+    p.add_argument("--measure", action="store_true",
+                   help="measure this machine's memory bandwidth and matmul peak (torch) and use them")
+    p.add_argument("--device-file", metavar="FILE", help="JSON/YAML file adding devices to the catalog")
+    p.add_argument("--list-hardware", action="store_true", help="list the device catalog and exit")
+    p.set_defaults(func=run)
+
+
+def _write(target: str, text: str) -> None:
+    if target == "-":
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    else:
+        with open(target, "w") as f:
+            f.write(text)
+        print(f"wrote {target}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rooflm.roofline.hardware import builtin_catalog, get_hardware, load_device_file
+
+    if args.list_hardware:
+        cat = builtin_catalog()
+        if args.device_file:
+            cat.devices.update(load_device_file(args.device_file))
+        for key in sorted(cat.devices):
+            e = cat.devices[key]
+            peaks = ", ".join(f"{k} {v:g}" for k, v in e["peak_tflops"].items())
+            print(f"{key:12s} {e.get('name', key)}: {e['memory_bandwidth_gbs']:g} GB/s, {e['memory_gib']:g} GiB, "
+                  f"TFLOP/s {peaks}")
+        return 0
+    if not args.model:
+        raise ValueError("model is missing: expected a named config (e.g. llama-2-7b), a config.json, a checkpoint "
+                         "folder or a .gguf file")
+    batches = _int_list("batch", args.batch)
+    input_lens = _int_list("input_len", args.input_len)
+    w_bits_list = [w.strip() for w in str(args.w_bits).split(",") if w.strip()]
+
+    if args.measure:
+        from rooflm.roofline.measure import measure_hardware
+
+        hw = measure_hardware()
+        print(f"measured {hw.name}: {hw.memory_bandwidth / 1e9:.1f} GB/s, "
+              + ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in hw.peak_ops.items()), file=sys.stderr)
+    else:
+        hw = get_hardware(args.hardware, args.device_file)
+
+    from rooflm.roofline.analyzer import sweep
+    from rooflm.roofline import report
+
+    options = dict(output_len=args.output_len, a_bits=args.a_bits, kv_bits=args.kv_bits,
+                   flash_attention=args.flash_attention, tp=args.tp, decode_context=args.decode_context,
+                   prefill_logits=args.logits)
+    results = sweep(args.model, hw, batches=batches, input_lens=input_lens, w_bits_list=w_bits_list, **options)
+
+    to_stdout = args.json == "-" or args.csv == "-"
+    if not to_stdout:
+        print(report.text_report(results[0]) if len(results) == 1 else report.sweep_table(results))
+    if args.json:
+        _write(args.json, report.to_json(results))
+    if args.csv:
+        _write(args.csv, report.to_csv(results))
+    if args.plot:
+        from rooflm.roofline.plot import write_plots
+
+        sweep_x = "input_len" if len(input_lens) > 1 and len(batches) == 1 else "batch"
+        for path in write_plots(results, args.plot, sweep_x=sweep_x, model=args.model):
+            print(f"wrote {path}", file=sys.stderr)
+    if args.html:
+        from rooflm.roofline.html import html_report
+
+        _write(args.html, html_report(results))
+    return 0

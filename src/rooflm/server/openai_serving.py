@@ -1,0 +1,538 @@
+"""The OpenAI endpoints' logic: request → engine requests → JSON response or SSE stream.
+
+Flow of one /v1/completions or /v1/chat/completions request:
+1. validate what pydantic cannot (model name, prompt tokens within the vocabulary, context length, unsupported
+   options) → 400 / 404 naming the field;
+2. tokenize here (the engine gets token ids, so what was counted against ``max_model_len`` is what runs);
+3. add one engine request per prompt (each carries the n samples) → 503 when the waiting queue is full;
+4. gather the finished outputs, or stream deltas of the cumulative outputs as server-sent events ending with
+   ``data: [DONE]``. A client that goes away (stream closed, or non-streaming connection dropped) aborts its
+   engine requests, which frees their KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from rooflm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, _RequestStream
+from rooflm.outputs import CompletionOutput, RequestOutput
+from rooflm.sampling_params import SamplingParams
+from rooflm.server.errors import OpenAIError, bad_request, error_body, from_value_error
+from rooflm.server.metrics import ABORTED, ERROR, SUCCESS, RequestTracker, ServerMetrics
+from rooflm.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingRequest,
+    TokenizeRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf: impossible tokens report this
+_DISCONNECT_POLL_S = 0.5
+
+
+def _finite(x: float | None) -> float | None:
+    if x is None:
+        return None
+    if math.isnan(x) or x == -math.inf:
+        return _MIN_LOGPROB
+    return 0.0 if x == math.inf else float(x)
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+_DONE = "data: [DONE]\n\n"
+
+
+class _AbortingStreamingResponse(StreamingResponse):
+    """Closes its body generator however the response ends (finished, client gone, cancelled), so the generator's
+    cleanup — aborting the engine requests — runs now rather than whenever the garbage collector gets to it."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+@dataclass
+class _Prepared:
+    """A validated generation request, ready for the engine."""
+
+    prompts: list[list[int]]  # token ids, one engine request each
+    prompt_texts: list[str]  # for echo
+    params: list[SamplingParams]  # per prompt (max_tokens depends on the prompt's length)
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # top-k to report; None: no logprobs
+    echo: bool = False
+    prompt_param: str = "prompt"  # the field an engine-side ValueError about the prompt names
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.max_model_len = engine.max_model_len
+        # The engine thread detokenizes with its tokenizer; the event loop gets its own copy, because a fast
+        # tokenizer used from two threads at once can fail ("Already borrowed").
+        try:
+            self.tokenizer = copy.deepcopy(engine.tokenizer)
+        except Exception:
+            self.tokenizer = engine.tokenizer
+        self.vocab_size = self._vocab_size()
+        self._token_text: dict[int, str] = {}
+
+    # ------------------------------------------------------------------------------------------------ facts
+    def _vocab_size(self) -> int:
+        sizes = []
+        if self.tokenizer is not None:
+            try:
+                sizes.append(len(self.tokenizer))
+            except TypeError:
+                pass
+        model_config = getattr(self.engine.engine, "model_config", None)
+        if getattr(model_config, "vocab_size", None):
+            sizes.append(int(model_config.vocab_size))
+        return min(sizes) if sizes else 2**31
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rooflm",
+                "root": self.model_name, "max_model_len": self.max_model_len}
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                              param="model", code="model_not_found")
+
+    def _require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise bad_request("the served model has no tokenizer: send token ids", param="prompt")
+        return self.tokenizer
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._require_tokenizer().decode([token_id])
+            if len(self._token_text) < 200_000:
+                self._token_text[token_id] = text
+        return text
+
+    # ------------------------------------------------------------------------------------------------ validation
+    def _check_ids(self, ids: Sequence[int], param: str) -> None:
+        bad = next((t for t in ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is out of the vocabulary (ids are in [0, {self.vocab_size}))",
+                              param=param)
+
+    def _max_tokens(self, prompt_len: int, requested: int | None, default: int | None, prompt_param: str,
+                    tokens_param: str) -> int:
+        """Resolve max_tokens so that prompt + output fits ``max_model_len``; 400 stating the limit otherwise."""
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens, but the prompt has {prompt_len} tokens: "
+                f"shorten it to at most {limit - 1} tokens.", param=prompt_param, code="context_length_exceeded")
+        room = limit - prompt_len
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len} tokens and "
+                f"{tokens_param}={requested} asks for {requested} more ({prompt_len + requested} > {limit}): "
+                f"ask for at most {room}.", param=tokens_param, code="context_length_exceeded")
+        return requested
+
+    def _common_checks(self, body: SamplingRequest) -> int:
+        self.check_model(body.model)
+        n = body.n or 1
+        if n > self.engine.max_num_seqs:
+            raise bad_request(f"n={n} exceeds the {self.engine.max_num_seqs} sequences the server runs at once",
+                              param="n")
+        if body.logit_bias:
+            raise bad_request("logit_bias is not supported", param="logit_bias")
+        if body.stream_options is not None and not body.stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        return n
+
+    def _sampling_params(self, body: SamplingRequest, n: int, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        top_k = body.top_k or 0
+        if top_k >= self.vocab_size:  # the whole vocabulary: the same as no top-k
+            top_k = 0
+        try:
+            return SamplingParams(
+                n=n,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=top_k,
+                min_p=body.min_p or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                seed=body.seed,
+                max_tokens=max_tokens,
+                min_tokens=body.min_tokens or 0,
+                stop=body.stop,
+                stop_token_ids=body.stop_token_ids,
+                ignore_eos=bool(body.ignore_eos),
+                include_stop_str_in_output=bool(body.include_stop_str_in_output),
+                logprobs=logprobs,
+                skip_special_tokens=body.skip_special_tokens is not False,
+            )
+        except ValueError as e:
+            raise from_value_error(e, None) from None
+
+    def prepare_completion(self, body: CompletionRequest) -> _Prepared:
+        n = self._common_checks(body)
+        if body.best_of is not None and body.best_of != n:
+            raise bad_request(f"best_of={body.best_of} is not supported: only best_of == n ({n})", param="best_of")
+        if body.suffix:
+            raise bad_request("suffix is not supported", param="suffix")
+        if body.echo and body.logprobs is not None:
+            raise bad_request("echo together with logprobs is not supported", param="echo")
+        raw = body.prompt
+        items: list[str | list[int]]
+        if isinstance(raw, str):
+            items = [raw]
+        elif raw and isinstance(raw[0], int):
+            items = [list(raw)]  # type: ignore[arg-type]
+        else:
+            items = list(raw)  # type: ignore[arg-type]
+        prompts, texts, params = [], [], []
+        for item in items:
+            if isinstance(item, str):
+                ids = list(self._require_tokenizer().encode(item))
+                text = item
+            else:
+                self._check_ids(item, "prompt")
+                ids = list(item)
+                text = self.tokenizer.decode(ids) if (body.echo and self.tokenizer is not None) else ""
+            if not ids:
+                raise bad_request("the prompt is empty after tokenization", param="prompt")
+            max_tokens = self._max_tokens(len(ids), body.max_tokens, 16, "prompt", "max_tokens")
+            params.append(self._sampling_params(body, n, max_tokens, body.logprobs))
+            prompts.append(ids)
+            texts.append(text)
+        return _Prepared(prompts, texts, params, n, bool(body.stream),
+                         bool(body.stream_options and body.stream_options.include_usage), body.logprobs,
+                         echo=bool(body.echo))
+
+    def render_chat(self, messages: list[Any], add_generation_prompt: bool) -> list[int]:
+        tok = self._require_tokenizer()
+        plain = []
+        for m in messages:
+            d: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.name:
+                d["name"] = m.name
+            plain.append(d)
+        try:
+            text = tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja errors: the template refuses this conversation
+            raise bad_request(f"the model's chat template cannot render these messages: {e}", param="messages")
+        if not isinstance(text, str):
+            raise bad_request("the model's chat template did not produce text", param="messages")
+        return list(tok.encode(text, add_special_tokens=False))
+
+    def prepare_chat(self, body: ChatCompletionRequest) -> _Prepared:
+        n = self._common_checks(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        ids = self.render_chat(body.messages, body.add_generation_prompt is not False)
+        if not ids:
+            raise bad_request("the messages render to an empty prompt", param="messages")
+        requested, param = body.max_completion_tokens, "max_completion_tokens"
+        if requested is None:
+            requested, param = body.max_tokens, "max_tokens"
+        max_tokens = self._max_tokens(len(ids), requested, None, "messages", param)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._sampling_params(body, n, max_tokens, logprobs)
+        return _Prepared([ids], [""], [params], n, bool(body.stream),
+                         bool(body.stream_options and body.stream_options.include_usage), logprobs,
+                         prompt_param="messages")
+
+    # ------------------------------------------------------------------------------------------------ engine
+    async def _add_all(self, prep: _Prepared, response_id: str) -> list[_RequestStream]:
+        streams: list[_RequestStream] = []
+        try:
+            for i, (ids, params) in enumerate(zip(prep.prompts, prep.params)):
+                streams.append(await self.engine.add_request(ids, params, request_id=f"{response_id}-{i}"))
+        except BaseException as e:
+            for s in streams:
+                self.engine.abort(s.request_id)
+            if isinstance(e, QueueFullError):
+                raise OpenAIError(503, str(e), code="queue_full", headers={"Retry-After": "1"}) from None
+            if isinstance(e, EngineDeadError):
+                raise OpenAIError(503, f"the engine is not running: {e}", code="engine_unavailable") from None
+            if isinstance(e, ValueError):
+                raise from_value_error(e, prep.prompt_param) from None
+            raise
+        return streams
+
+    async def _merge(self, streams: list[_RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield (prompt index, cumulative output) from all streams until each has finished.
+        Leaving early (close/cancel) aborts the unfinished ones."""
+        if len(streams) == 1:  # the common case: no extra task
+            gen = self.engine.iterate(streams[0])
+            try:
+                async for out in gen:
+                    yield 0, out
+            finally:
+                await gen.aclose()
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+
+        async def pump(i: int, stream: _RequestStream) -> None:
+            gen = self.engine.iterate(stream)
+            try:
+                async for out in gen:
+                    queue.put_nowait((i, out))
+            except Exception as e:
+                queue.put_nowait((i, e))
+            finally:
+                await gen.aclose()
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    remaining -= 1
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _collect(self, streams: list[_RequestStream], tracker: RequestTracker) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        merged = self._merge(streams)
+        try:
+            async for i, out in merged:
+                tracker.on_output(out)
+                finals[i] = out
+        finally:
+            await merged.aclose()
+        return [f for f in finals if f is not None]
+
+    # ------------------------------------------------------------------------------------------------ endpoints
+    async def create_completion(self, body: CompletionRequest, request: Request) -> Response:
+        prep = self.prepare_completion(body)
+        return await self._generate(prep, request, chat=False)
+
+    async def create_chat_completion(self, body: ChatCompletionRequest, request: Request) -> Response:
+        prep = self.prepare_chat(body)
+        return await self._generate(prep, request, chat=True)
+
+    async def _generate(self, prep: _Prepared, request: Request, chat: bool) -> Response:
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        tracker = self.metrics.tracker("chat_completions" if chat else "completions")
+        streams = await self._add_all(prep, response_id)
+        created = int(time.time())
+        if prep.stream:
+            gen = self._stream(prep, streams, tracker, response_id, created, chat)
+            return _AbortingStreamingResponse(gen, media_type="text/event-stream",
+                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        task = asyncio.ensure_future(self._collect(streams, tracker))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+                if done:
+                    break
+                if await request.is_disconnected():  # nobody will read the answer: free the engine
+                    task.cancel()
+                    tracker.finish(ABORTED)
+                    return Response(status_code=499)
+        except BaseException:
+            task.cancel()
+            tracker.finish(ABORTED)
+            raise
+        try:
+            finals = task.result()
+        except EngineDeadError as e:
+            tracker.finish(ERROR)
+            raise OpenAIError(503, f"the engine stopped while generating: {e}", code="engine_unavailable") from None
+        tracker.finish(SUCCESS)
+        body = self._chat_response(prep, finals, response_id, created) if chat else \
+            self._completion_response(prep, finals, response_id, created)
+        return JSONResponse(body)
+
+    # ------------------------------------------------------------------------------------------------ responses
+    def _usage(self, prep: _Prepared, finals: Sequence[RequestOutput | None]) -> dict[str, int]:
+        prompt = sum(len(f.prompt_token_ids) if f is not None and f.prompt_token_ids else len(p)
+                     for f, p in zip(finals, prep.prompts))
+        completion = sum(len(o.token_ids) for f in finals if f is not None for o in f.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _completion_logprobs(self, o: CompletionOutput, start: int, k: int, offset: int) -> dict[str, Any]:
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float | None]] = []
+        offsets: list[int] = []
+        for pos in range(start, len(o.token_ids)):
+            tid = o.token_ids[pos]
+            d = o.logprobs[pos] if o.logprobs is not None and pos < len(o.logprobs) else {}
+            text = self.token_text(tid)
+            tokens.append(text)
+            token_logprobs.append(_finite(d.get(tid)))
+            best = sorted(d.items(), key=lambda kv: -kv[1])[:k]
+            top.append({self.token_text(t): _finite(lp) for t, lp in best})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def _chat_logprobs(self, o: CompletionOutput, start: int, k: int) -> dict[str, Any]:
+        content = []
+        for pos in range(start, len(o.token_ids)):
+            tid = o.token_ids[pos]
+            d = o.logprobs[pos] if o.logprobs is not None and pos < len(o.logprobs) else {}
+            best = sorted(d.items(), key=lambda kv: -kv[1])[:k]
+            text = self.token_text(tid)
+            content.append({
+                "token": text, "logprob": _finite(d.get(tid, _MIN_LOGPROB)), "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [{"token": self.token_text(t), "logprob": _finite(lp),
+                                  "bytes": list(self.token_text(t).encode("utf-8"))} for t, lp in best],
+            })
+        return {"content": content}
+
+    def _completion_response(self, prep: _Prepared, finals: list[RequestOutput], rid: str,
+                             created: int) -> dict[str, Any]:
+        choices = []
+        for i, final in enumerate(finals):
+            for o in final.outputs:
+                prefix = prep.prompt_texts[i] if prep.echo else ""
+                choices.append({
+                    "index": i * prep.n + o.index,
+                    "text": prefix + o.text,
+                    "logprobs": None if prep.logprobs is None else self._completion_logprobs(
+                        o, 0, prep.logprobs, len(prefix)),
+                    "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason,
+                })
+        choices.sort(key=lambda c: c["index"])
+        return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                "choices": choices, "usage": self._usage(prep, finals), "system_fingerprint": None}
+
+    def _chat_response(self, prep: _Prepared, finals: list[RequestOutput], rid: str, created: int) -> dict[str, Any]:
+        choices = []
+        for o in finals[0].outputs:
+            choices.append({
+                "index": o.index,
+                "message": {"role": "assistant", "content": o.text},
+                "logprobs": None if prep.logprobs is None else self._chat_logprobs(o, 0, prep.logprobs),
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
+            })
+        choices.sort(key=lambda c: c["index"])
+        return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
+                "choices": choices, "usage": self._usage(prep, finals), "system_fingerprint": None}
+
+    async def _stream(self, prep: _Prepared, streams: list[_RequestStream], tracker: RequestTracker, rid: str,
+                      created: int, chat: bool) -> AsyncIterator[str]:
+        """SSE body. Invariant: per choice, the concatenated deltas equal the non-streamed text, because the
+        engine's cumulative text only grows and each delta is its new suffix."""
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        sent_text: dict[tuple[int, int], int] = {}  # (prompt, sample) → characters sent
+        sent_tokens: dict[tuple[int, int], int] = {}  # → tokens whose logprobs were sent
+        offsets: dict[tuple[int, int], int] = {}  # completions' text_offset so far
+        done: set[tuple[int, int]] = set()
+        finals: list[RequestOutput | None] = [None] * len(streams)
+
+        def chunk(choice: dict[str, Any]) -> str:
+            data: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                    "choices": [choice]}
+            if prep.include_usage:
+                data["usage"] = None
+            return _sse(data)
+
+        merged = self._merge(streams)
+        try:
+            if chat:  # the role comes first, once per choice
+                for j in range(prep.n):
+                    yield chunk({"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None})
+            async for i, out in merged:
+                tracker.on_output(out)
+                finals[i] = out
+                for o in out.outputs:
+                    key = (i, o.index)
+                    if key in done:
+                        continue
+                    first = key not in sent_text
+                    start = sent_text.get(key, 0)
+                    delta = o.text[start:] if len(o.text) >= start else ""
+                    if prep.echo and first:
+                        delta = prep.prompt_texts[i] + delta
+                    if not delta and o.finish_reason is None:
+                        continue  # held back (partial character or possible stop string): wait for more
+                    tok_start = sent_tokens.get(key, 0)
+                    sent_text[key] = max(len(o.text), start)
+                    sent_tokens[key] = len(o.token_ids)
+                    index = i * prep.n + o.index
+                    if chat:
+                        choice: dict[str, Any] = {
+                            "index": index, "delta": {"content": delta} if delta else {},
+                            "logprobs": None if prep.logprobs is None else self._chat_logprobs(
+                                o, tok_start, prep.logprobs),
+                            "finish_reason": o.finish_reason}
+                    else:
+                        lp = None
+                        if prep.logprobs is not None:
+                            lp = self._completion_logprobs(o, tok_start, prep.logprobs, offsets.get(key, 0))
+                            offsets[key] = offsets.get(key, 0) + sum(len(t) for t in lp["tokens"])
+                        choice = {"index": index, "text": delta, "logprobs": lp, "finish_reason": o.finish_reason}
+                    if o.finish_reason is not None:
+                        choice["stop_reason"] = o.stop_reason
+                        done.add(key)
+                    yield chunk(choice)
+            if prep.include_usage:
+                yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
+                            "usage": self._usage(prep, finals)})
+            yield _DONE
+            tracker.finish(SUCCESS)
+        except EngineDeadError as e:
+            tracker.finish(ERROR)
+            yield _sse(error_body(f"the engine stopped while generating: {e}", "service_unavailable_error",
+                                  None, "engine_unavailable"))
+            yield _DONE
+        finally:
+            await merged.aclose()  # aborts the engine requests still unfinished (client gone)
+            tracker.finish(ABORTED)  # no-op unless the client left before the end
+
+    # ------------------------------------------------------------------------------------------------ tokenizer
+    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("send exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            if not body.messages:
+                raise bad_request("messages must not be empty", param="messages")
+            ids = self.render_chat(body.messages, body.add_generation_prompt is not False)
+        else:
+            ids = list(self._require_tokenizer().encode(body.prompt, add_special_tokens=body.add_special_tokens
+                                                        is not False))
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        self._check_ids(body.tokens, "tokens")
+        return {"prompt": self._require_tokenizer().decode(body.tokens)}

@@ -1,0 +1,109 @@
+"""Request bodies of the OpenAI-compatible API, as pydantic models.
+
+Validation is strict (``"1"`` is not an integer, ``true`` is not a number) and rejects NaN/Infinity, so every value
+that reaches ``SamplingParams`` and the engine has the type and range the engine expects; anything else becomes a
+400 naming the field (see ``errors.py``). Unknown fields are ignored, as most OpenAI-compatible servers do.
+Ranges follow the OpenAI reference; the extras (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ...)
+use vLLM's names.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+MAX_N = 16  # samples per prompt
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_STOP = 16  # stop strings per request
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class SamplingRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int | None = Field(default=1, ge=1, le=MAX_N)
+    stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)] | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: float | None = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # only empty / null is supported
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # extras, vLLM's names
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100)
+    ignore_eos: bool | None = False
+    min_tokens: int | None = Field(default=0, ge=0)
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(max_length=MAX_STOP)] | None = None
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
+    echo: bool | None = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # only best_of == n is supported
+    suffix: str | None = None  # only empty / null is supported
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextPart], Field(max_length=256)] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool | None = True  # extra: vLLM's name
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = True
+    add_generation_prompt: bool | None = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=1_000_000)]

@@ -1,0 +1,199 @@
+"""Checks shared by tests/kernels (CPU, Triton interpreter, small shapes) and tests/gpu (CUDA, larger shapes).
+
+Each check draws fresh random inputs, runs a kernel and its torch twin, and asserts they agree within the dtype's
+tolerance. Outputs are poisoned (NaN) before the kernel runs where the kernel takes an ``out`` buffer, so an unwritten
+element fails.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+TOL = {torch.float16: (2e-3, 1e-2), torch.bfloat16: (1.6e-2, 2e-2), torch.float32: (1e-4, 1e-4)}
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str, scale: float = 1.0) -> None:
+    atol, rtol = TOL[dtype]
+    assert not torch.isnan(out).any(), f"{what}: NaN in output"
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol * scale, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def make_paged(
+    lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, device: str,
+    extra_blocks: int = 3, gen: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random KV cache and block tables whose blocks are scattered (a random permutation), padded with 0."""
+    need = [math.ceil(n / block_size) for n in lens]
+    num_blocks = sum(need) + extra_blocks
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(lens), max(need + [1]) + 1, dtype=torch.int32)
+    i = 0
+    for s, n in enumerate(need):
+        tables[s, :n] = perm[i : i + n].to(torch.int32)
+        i += n
+    return cache, tables.to(device)
+
+
+def check_decode(num_heads, num_kv_heads, head_dim, block_size, lens, window=None, num_splits=None,
+                 dtype=torch.float16, device="cpu", seed=0):
+    from rooflm.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+
+    g = torch.Generator().manual_seed(seed)
+    cache, tables = make_paged(lens, num_kv_heads, head_dim, block_size, dtype, device, gen=g)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=g).to(dtype).to(device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, cache, tables, seq_lens, scale, window, num_splits=num_splits, out=out)
+    ref = paged_decode_attention_ref(q, cache, tables, seq_lens, scale, window)
+    assert_close(out, ref, dtype, f"decode H={num_heads} Hkv={num_kv_heads} D={head_dim} lens={lens} w={window}")
+
+
+def make_step(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, gen):
+    """Random q/k/v for one step whose sequences have ``ctx_lens`` cached tokens and ``q_lens`` new ones, plus the
+    AttentionMetadata with slots pointing into each sequence's blocks."""
+    from rooflm.attention.backend import AttentionMetadata
+
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    cache, tables = make_paged(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, gen=gen)
+    slots = []
+    for i, (c, n) in enumerate(zip(ctx_lens, q_lens)):
+        for p in range(c, c + n):
+            slots.append(int(tables[i, p // block_size]) * block_size + p % block_size)
+    T = sum(q_lens)
+    q = torch.randn(T, num_heads, head_dim, generator=gen).to(dtype).to(device)
+    # k/v as views of one fused buffer (strided in dim 0), the way a fused QKV projection hands them over
+    kv = torch.randn(T, 2, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    k, v = kv[:, 0], kv[:, 1]
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+    )
+    return q, k, v, cache, meta
+
+
+def check_prefill(num_heads, num_kv_heads, head_dim, block_size, ctx_lens, q_lens, window=None,
+                  dtype=torch.float16, device="cpu", seed=0, tiles=None):
+    from rooflm.kernels.kv_cache import write_kv_cache
+    from rooflm.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, cache, meta = make_step(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, g)
+    write_kv_cache(k, v, cache, meta.slot_mapping)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.max_query_len,
+                            scale, window, out=out, tiles=tiles)
+    ref = paged_prefill_attention_ref(q, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, window)
+    assert_close(out, ref, dtype, f"prefill H={num_heads} Hkv={num_kv_heads} ctx={ctx_lens} q={q_lens} w={window}")
+
+
+def check_backend(num_heads, num_kv_heads, head_dim, block_size, ctx_lens, q_lens, window=None,
+                  dtype=torch.float16, device="cpu", seed=0):
+    """TritonAttention against TorchRefAttention: same output and the same cache afterwards."""
+    from rooflm.attention.torch_ref import TorchRefAttention
+    from rooflm.attention.triton_backend import TritonAttention
+
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, cache, meta = make_step(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, g)
+    cache_ref = cache.clone()
+    scale = head_dim ** -0.5
+    out = TritonAttention().forward(q, k, v, cache, meta, scale, window)
+    ref = TorchRefAttention().forward(q, k, v, cache_ref, meta, scale, window)
+    assert torch.equal(cache, cache_ref), "the K/V cache written by the Triton backend differs from the reference"
+    assert_close(out, ref, dtype, f"backend ctx={ctx_lens} q={q_lens} w={window}")
+
+
+def check_write_kv(num_tokens, num_kv_heads, head_dim, dtype=torch.float16, device="cpu", seed=0):
+    from rooflm.kernels.kv_cache import write_kv_cache, write_kv_cache_ref
+
+    g = torch.Generator().manual_seed(seed)
+    block_size, num_blocks = 8, math.ceil(num_tokens / 8) + 2
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype).to(device)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[::3] = -1
+    kv = torch.randn(num_tokens, 2, num_kv_heads, head_dim, generator=g).to(dtype).to(device)
+    ref = cache.clone()
+    write_kv_cache(kv[:, 0], kv[:, 1], cache, slots.to(device))
+    write_kv_cache_ref(kv[:, 0], kv[:, 1], ref, slots.to(device))
+    assert torch.equal(cache, ref)
+
+
+def check_rotary(num_tokens, num_heads, num_kv_heads, head_dim, rot_dim, is_neox, write, dtype=torch.float16,
+                 device="cpu", seed=0, per_token=False):
+    from rooflm.kernels.kv_cache import rotary_write_kv_cache, rotary_write_kv_cache_ref
+
+    g = torch.Generator().manual_seed(seed)
+    max_pos = 4096
+    inv = 1.0 / (10000.0 ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
+    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    cos, sin = ang.cos().float().to(device), ang.sin().float().to(device)
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=g).to(dtype).to(device)
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    pos = torch.randint(0, max_pos, (num_tokens,), generator=g).to(device)
+    block_size, num_blocks = 16, math.ceil(num_tokens / 16) + 1
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype).to(device)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[1::4] = -1
+    slots = slots.to(device)
+    ref_cache = cache.clone()
+    if per_token:  # the model's form: cos/sin gathered per token, in the model's dtype
+        cos, sin, pos = cos[pos].to(dtype), sin[pos].to(dtype), None
+    q_ref, k_ref = rotary_write_kv_cache_ref(q, k, v, pos, cos, sin, ref_cache if write else None, slots, is_neox)
+    rotary_write_kv_cache(q, k, v, pos, cos, sin, cache if write else None, slots, is_neox)  # q, k in place
+    assert_close(q, q_ref, dtype, "rotary q")
+    assert_close(k, k_ref, dtype, "rotary k")
+    if write:
+        assert_close(cache, ref_cache, dtype, "rotary cache")
+
+
+def check_rmsnorm(num_tokens, hidden, with_residual, dtype=torch.float16, device="cpu", seed=0):
+    from rooflm.kernels.rmsnorm import rms_norm, rms_norm_ref
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=g).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(device)
+    r = torch.randn(num_tokens, hidden, generator=g).to(dtype).to(device) if with_residual else None
+    out = rms_norm(x, w, 1e-5, r)
+    ref = rms_norm_ref(x, w, 1e-5, r)
+    if with_residual:
+        if dtype == torch.bfloat16 and device == "cpu":
+            # Triton 3.9's interpreter truncates float32 -> bfloat16 (the GPU rounds to nearest): one ulp apart
+            assert_close(out[1], ref[1], dtype, "residual")
+        else:
+            assert torch.equal(out[1], ref[1]), "the new residual must be exactly x + residual rounded to the dtype"
+        out, ref = out[0], ref[0]
+    assert_close(out, ref, dtype, "rmsnorm")
+
+
+def check_silu_and_mul(num_tokens, d, dtype=torch.float16, device="cpu", seed=0):
+    from rooflm.kernels.activation import silu_and_mul, silu_and_mul_ref
+
+    g = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(num_tokens, 2 * d, generator=g)).to(dtype).to(device)
+    assert_close(silu_and_mul(x), silu_and_mul_ref(x), dtype, "silu_and_mul")
+
+
+def check_gemv(cfg, m, n, k, bias, dtype=torch.float16, device="cpu", seed=0):
+    from rooflm.kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=g) / math.sqrt(k)).to(dtype).to(device)
+    b = torch.randn(n, generator=g).to(dtype).to(device) if bias else None
+    out = gemv(x, w, b, cfg)
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    limit = {torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert rel < limit, f"gemv {cfg} M={m} N={n} K={k}: relative error {rel:.2e} >= {limit}"

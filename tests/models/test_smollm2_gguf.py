@@ -1,0 +1,113 @@
+"""The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF): rooflm against transformers loading the same file."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from model_utils import PagedRunner, assert_close_rel, hf_model_from_gguf
+from rooflm.loader import load_model
+from rooflm.tokenizer import load_tokenizer
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "In the beginning God created the heaven and the earth.",
+]
+PPL_TOKENS = 1024
+
+
+@pytest.fixture(scope="module")
+def ours(default_model_path):
+    return load_model(None, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf(default_model_path):
+    return hf_model_from_gguf(default_model_path)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(default_model_path):
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(default_model_path)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path):
+    return load_tokenizer(None)
+
+
+def test_config_from_gguf(ours) -> None:
+    _, cfg = ours
+    assert (cfg.architecture, cfg.num_hidden_layers, cfg.hidden_size) == ("LlamaForCausalLM", 30, 576)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (9, 3, 64)
+    assert cfg.tie_word_embeddings and cfg.vocab_size == 49152 and cfg.rope_theta == 100000.0
+    assert cfg.eos_token_id[0] == 2  # <|im_end|> from the metadata first
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_logits_match_transformers(ours, hf, tokenizer, prompt: str) -> None:
+    model, cfg = ours
+    ids = tokenizer(prompt).input_ids
+    mine = PagedRunner(model, cfg, len(ids), block_size=16).step(ids)
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits[0]
+    assert_close_rel(mine, theirs, rel=1e-4)
+
+
+def test_greedy_decode_through_cache_matches_transformers(ours, hf, tokenizer) -> None:
+    model, cfg = ours
+    ids = tokenizer(PROMPTS[0]).input_ids
+    runner = PagedRunner(model, cfg, len(ids) + 12, block_size=16)
+    mine, logits = [], runner.step(ids)[-1]
+    for _ in range(12):
+        mine.append(int(logits.argmax()))
+        logits = runner.step([mine[-1]])[-1]
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert mine == out[0, len(ids):].tolist()
+
+
+def _perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    nll = torch.nn.functional.cross_entropy(logits[:-1].double(), torch.tensor(ids[1:]))
+    return math.exp(nll.item())
+
+
+@pytest.mark.slow
+def test_perplexity_of_austen_passage(ours, hf, tokenizer, data_dir) -> None:
+    model, cfg = ours
+    text = (data_dir / "austen_pride_and_prejudice_ch1.txt").read_text()
+    ids = tokenizer(text).input_ids[:PPL_TOKENS]
+    assert len(ids) == PPL_TOKENS
+    mine = _perplexity(PagedRunner(model, cfg, len(ids), block_size=16).step(ids), ids)
+    with torch.no_grad():
+        theirs = _perplexity(hf(torch.tensor([ids])).logits[0], ids)
+    assert 1.0 < mine < 100.0  # a sane model on English prose
+    assert abs(mine - theirs) / theirs < 0.005, (mine, theirs)
+
+
+TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n\nnew lines", "naïve café — 東京 🚀", "<|im_start|>user\nhi"]
+
+
+def test_tokenizer_matches_transformers(tokenizer, hf_tokenizer) -> None:
+    for text in TEXTS:
+        assert tokenizer(text).input_ids == hf_tokenizer(text).input_ids
+        assert tokenizer.decode(tokenizer(text).input_ids) == hf_tokenizer.decode(hf_tokenizer(text).input_ids)
+    assert tokenizer.eos_token == hf_tokenizer.eos_token
+
+
+def test_chat_template_matches_transformers(tokenizer, hf_tokenizer, default_model_path) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"},
+                {"role": "assistant", "content": "4."}, {"role": "user", "content": "And 3 + 3?"}]
+    for msgs in (messages, messages[1:2]):
+        ours = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        theirs = hf_tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        assert ours == theirs and ours.endswith("<|im_start|>assistant\n")
+    from rooflm.loader.gguf import open_gguf
+
+    assert tokenizer.chat_template == open_gguf(default_model_path).fields["tokenizer.chat_template"].contents()
