@@ -25,6 +25,9 @@ demo: setup
 	$(VENV)/bin/rooflm demo
 
 test: setup
+	@# The roofline HTML report is checked in headless Chromium (Debian's package; CI runs as root).
+	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
+		|| echo "warning: chromium is missing and could not be installed: the HTML report test will fail"
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 clean:

@@ -39,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. `rooflm analyze ... | head`
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ValueError, FileNotFoundError) as e:  # user errors: one clear line, no traceback
         print(f"rooflm {args.command}: error: {e}", file=sys.stderr)
         return 2

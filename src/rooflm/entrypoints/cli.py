@@ -34,7 +34,8 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 64, tempera
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--max-tokens", type=int, default=max_tokens)
-    g.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="seed of each request's sampling")
+    g.add_argument("--sample-seed", dest="sampling_seed", type=int, default=None,
+                   help="seed of each request's sampling (--seed seeds the engine)")
     g.add_argument("--n", type=int, default=1)
     g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     g.add_argument("--repetition-penalty", type=float, default=1.0)

@@ -67,6 +67,7 @@ class DecodeGraphRunner:
         self.pool = None
         self.sizes: list[int] = []
         self.capture_seconds = 0.0
+        self.replays = 0
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -127,6 +128,7 @@ class DecodeGraphRunner:
             self.seq_lens[n:bs].zero_()
         graph, out = self.graphs[bs]
         graph.replay()
+        self.replays += 1
         return out[:n]
 
 

@@ -1,0 +1,309 @@
+"""Latency of one batch through the engine: TTFT, TPOT, tokens/s, achieved GB/s and the fraction of the roofline.
+
+``rooflm bench latency --model llama-2-7b --load-format dummy --batch-size 1 --input-len 1024 --output-len 128``
+
+Method. The engine runs ``--batch-size`` requests of ``--input-len`` random token ids, each generating exactly
+``--output-len`` tokens (greedy, EOS ignored), ``--num-iters`` times after ``--num-iters-warmup`` warm-up runs, with
+fresh prompts each time and prefix caching off (so no run reuses another's cache). Per iteration:
+- TTFT: from adding the requests until every request has its first token (the prefill, chunked if it must be);
+- TPOT: the mean duration of the engine steps in which every request decodes one token (no prefill in the step);
+- decode tokens/s = batch / TPOT; end-to-end tokens/s = batch * output_len / total time.
+Figures are medians over the iterations. The ceilings are measured in the same process on the same device: memory
+bandwidth by a 1 GiB device copy (bytes read + written) and the dense matmul rate (8192^3) in the run's dtype. The
+roofline (``rooflm.roofline.analyze`` on those measured ceilings) gives the best possible TTFT and TPOT and the bytes a
+decode step must move; achieved GB/s = those bytes / measured TPOT. ``--baseline hf`` builds Hugging Face
+transformers' model of the same architecture in the same process, copies rooflm's weights into it, and times its
+eager ``generate`` on the same prompts, printing the speed-up.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-2-7b", help="named config, checkpoint folder or .gguf (default llama-2-7b)")
+    p.add_argument("--load-format", default="dummy", help="dummy (random weights; default), auto, safetensors, gguf")
+    p.add_argument("--dtype", default="float16", help="float16 (default), bfloat16 or float32")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-iters", type=int, default=3)
+    p.add_argument("--num-iters-warmup", type=int, default=1)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step (default: max(2048, input_len), so one prompt is one prefill step)")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=None,
+                   help="KV pool size (default: what the batch needs, plus 10%%)")
+    p.add_argument("--baseline", choices=["none", "hf"], default="none",
+                   help="hf: also time transformers' generate on the same weights and prompts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write every figure to this JSON file")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Shared with bench/throughput.py
+# ---------------------------------------------------------------------------------------------------------------------
+def measure_ceilings(device, dtype) -> dict:
+    """Copy bandwidth (bytes read + written per second) and dense matmul rate, measured here with CUDA events."""
+    import torch
+
+    if device.type != "cuda":
+        from rooflm.roofline.measure import measure_bandwidth, measure_matmul_peak
+
+        key, peak = measure_matmul_peak("cpu")
+        return {"device": "cpu", "copy_gbps": measure_bandwidth("cpu") / 1e9, "matmul_tflops": peak / 1e12}
+
+    def timed(fn, reps):
+        fn()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            best = min(best, s.elapsed_time(e) / 1e3)
+        return best
+
+    n = 1 << 29  # 1 GiB in fp16
+    a = torch.empty(n, dtype=torch.float16, device=device).normal_()
+    b = torch.empty_like(a)
+    copy_gbps = 2 * 2 * n / timed(lambda: b.copy_(a), 10) / 1e9
+    del a, b
+    mm_dtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
+    x = torch.randn(8192, 8192, dtype=mm_dtype, device=device)
+    y = torch.randn(8192, 8192, dtype=mm_dtype, device=device)
+    tflops = 2 * 8192**3 / timed(lambda: x @ y, 10) / 1e12
+    del x, y
+    torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name(device), "copy_gbps": copy_gbps, "matmul_tflops": tflops,
+            "matmul_dtype": str(mm_dtype).removeprefix("torch.")}
+
+
+def kv_budget_bytes(cfg, dtype, tokens: int, block_size: int = 16) -> int:
+    import torch
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+    return int(per_token * (tokens + 64 * block_size) * 1.1)
+
+
+def build_hf_model(engine):
+    """transformers' model of the engine's architecture with the engine's weights copied in (same device, dtype)."""
+    import torch
+    import transformers
+
+    cfg = engine.model_config
+    extra = {k: v for k, v in cfg.hf_config.items() if k not in ("model_type", "architectures")}
+    hf_cfg = transformers.AutoConfig.for_model(cfg.model_type, **extra)
+    hf_cfg.architectures = [cfg.architecture]
+    with torch.device(engine.device):
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=engine.dtype)
+        except TypeError:
+            model = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=engine.dtype)
+    model = model.to(engine.device, engine.dtype).eval()
+    targets = engine.model.weight_targets()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            t = targets.get(name)
+            if t is None:
+                if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue
+                raise ValueError(f"transformers' {name} has no rooflm counterpart")
+            param.copy_(t.view())
+    return model
+
+
+def hf_generate_time(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    """Seconds for transformers' eager greedy generate of exactly ``new_tokens`` tokens per prompt (one batch of
+    equal-length prompts), and the tokens."""
+    import torch
+
+    dev = next(model.parameters()).device
+    ids = torch.tensor(prompts, device=dev)
+    torch.cuda.synchronize(dev) if dev.type == "cuda" else None
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    torch.cuda.synchronize(dev) if dev.type == "cuda" else None
+    return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
+
+
+def roofline_bounds(cfg, ceilings: dict, batch: int, input_len: int, output_len: int) -> dict | None:
+    """Best-possible TTFT / TPOT and the bytes and FLOPs they imply, from rooflm.roofline on the measured ceilings."""
+    try:
+        from rooflm.roofline import Hardware, analyze
+    except ImportError:
+        return None
+    peak = ceilings["matmul_tflops"]
+    hw = Hardware.from_measured(ceilings["copy_gbps"], {"fp16": peak, "bf16": peak, "fp32": peak / 2},
+                                memory_gib=1024, name=f"measured {ceilings['device']}")
+    r = analyze(cfg, hw, batch=batch, input_len=input_len, output_len=output_len, flash_attention=True,
+                prefill_logits="last")
+    steps = max(1, output_len - 1)
+    return {"ttft_s": r.request.ttft_s, "tpot_s": r.request.tpot_s,
+            "decode_step_bytes": (r.request.memory_access - r.prefill.totals.memory_access) / steps,
+            "prefill_ops": r.prefill.totals.ops, "weights_bytes": r.memory.weights}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+def _one_iteration(engine, prompts: list[list[int]], output_len: int) -> dict:
+    from rooflm.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    B = len(prompts)
+    order = []
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        order.append(engine.add_request(f"lat-{time.monotonic_ns()}-{i}", p, params))
+    t_first = None
+    decode_steps = []  # durations of steps in which every request decoded one token
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        all_started = t_first is not None
+        s = time.perf_counter()
+        outs = engine.step()
+        e = time.perf_counter()
+        new = 0
+        for o in outs:
+            ids = o.outputs[0].token_ids
+            new += len(ids) - len(tokens.get(o.request_id, ()))
+            tokens[o.request_id] = list(ids)
+        if all_started and new == B:
+            decode_steps.append(e - s)
+        if t_first is None and len(tokens) == B and all(tokens.values()):
+            t_first = e
+    t_end = time.perf_counter()
+    return {"ttft_s": t_first - t0, "tpot_s": statistics.mean(decode_steps) if decode_steps else float("nan"),
+            "e2e_s": t_end - t0, "decode_steps": len(decode_steps), "tokens": [tokens[r] for r in order]}
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from rooflm.config import EngineConfig, load_model_config
+    from rooflm.engine.engine import LLMEngine, resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    B, L_in, L_out = args.batch_size, args.input_len, args.output_len
+    if min(B, L_in, L_out) < 1:
+        raise ValueError("--batch-size, --input-len and --output-len must be >= 1")
+    ceilings = measure_ceilings(device, dtype)
+    model_cfg = load_model_config(args.model) if args.load_format == "dummy" else None
+    kv_bytes = (int(args.kv_cache_memory_gib * 2**30) if args.kv_cache_memory_gib
+                else kv_budget_bytes(model_cfg or load_model_config(args.model), dtype, B * (L_in + L_out)))
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineConfig(
+        model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+        max_model_len=L_in + L_out, kv_cache_memory=kv_bytes, max_num_seqs=B,
+        max_num_batched_tokens=args.max_num_batched_tokens or max(2048, L_in), enable_prefix_caching=False,
+        enforce_eager=args.enforce_eager, attention_backend=args.attention_backend, seed=args.seed,
+        show_progress=False))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    init_s = time.perf_counter() - t0
+    gr = engine.runner.graph_runner
+    capture_s = gr.capture_seconds if gr is not None else 0.0
+    cfg = engine.model_config
+    backend = sorted({getattr(m.backend, "name", "?") for m in engine.model.modules() if hasattr(m, "backend")})
+
+    gen = torch.Generator().manual_seed(args.seed)
+
+    def prompts() -> list[list[int]]:
+        return torch.randint(0, cfg.vocab_size, (B, L_in), generator=gen).tolist()
+
+    t0 = time.perf_counter()
+    for _ in range(args.num_iters_warmup):
+        _one_iteration(engine, prompts(), min(L_out, 16))
+    warmup_s = time.perf_counter() - t0
+    iters = []
+    last_prompts = None
+    for _ in range(args.num_iters):
+        last_prompts = prompts()
+        iters.append(_one_iteration(engine, last_prompts, L_out))
+    med = {k: statistics.median(it[k] for it in iters) for k in ("ttft_s", "tpot_s", "e2e_s")}
+    res: dict = {
+        "command": "rooflm bench latency " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "latency"] else "",
+        "model": args.model, "dtype": str(dtype).removeprefix("torch."), "batch_size": B, "input_len": L_in,
+        "output_len": L_out, "attention_backend": backend, "cuda_graphs": gr is not None,
+        "graph_sizes": gr.sizes if gr is not None else [], "ceilings": ceilings,
+        "engine_init_s": init_s, "graph_capture_s": capture_s, "warmup_s": warmup_s,
+        "ttft_s": med["ttft_s"], "tpot_s": med["tpot_s"], "e2e_s": med["e2e_s"],
+        "decode_tok_s": B / med["tpot_s"], "e2e_tok_s": B * L_out / med["e2e_s"],
+        "iterations": [{k: v for k, v in it.items() if k != "tokens"} for it in iters],
+    }
+    bounds = roofline_bounds(cfg, ceilings, B, L_in, L_out)
+    if bounds:
+        res["roofline"] = bounds
+        res["achieved_gbps"] = bounds["decode_step_bytes"] / med["tpot_s"] / 1e9
+        res["fraction_of_roofline_tpot"] = bounds["tpot_s"] / med["tpot_s"]
+        res["fraction_of_copy_bandwidth"] = res["achieved_gbps"] / ceilings["copy_gbps"]
+        res["prefill_tflops"] = bounds["prefill_ops"] / med["ttft_s"] / 1e12
+        res["prefill_fraction_of_matmul_peak"] = res["prefill_tflops"] / ceilings["matmul_tflops"]
+        res["fraction_of_roofline_ttft"] = bounds["ttft_s"] / med["ttft_s"]
+    try:
+        from rooflm.kernels import gemv
+
+        res["gemv_choices"] = {f"M<={k[0]} N={k[1]} K={k[2]}": (v if isinstance(v, str) else gemv._short(v))
+                               for k, v in gemv.choices().items()}
+    except Exception:  # noqa: BLE001 - triton missing: nothing to report
+        pass
+
+    if args.baseline == "hf":
+        t0 = time.perf_counter()
+        hf = build_hf_model(engine)
+        res["hf_build_s"] = time.perf_counter() - t0
+        hf_generate_time(hf, last_prompts[:1], 2)  # warm-up
+        t1, _ = hf_generate_time(hf, last_prompts, 1)
+        tn, hf_tokens = hf_generate_time(hf, last_prompts, L_out)
+        hf_tpot = (tn - t1) / max(1, L_out - 1)
+        res["hf"] = {"ttft_s": t1, "e2e_s": tn, "tpot_s": hf_tpot, "decode_tok_s": B / hf_tpot,
+                     "e2e_tok_s": B * L_out / tn}
+        res["speedup_decode"] = res["decode_tok_s"] / res["hf"]["decode_tok_s"]
+        res["speedup_e2e"] = res["e2e_tok_s"] / res["hf"]["e2e_tok_s"]
+        ours = iters[-1]["tokens"][0]
+        same = next((i for i, (a, b) in enumerate(zip(ours, hf_tokens[0])) if a != b), min(len(ours), L_out))
+        res["hf_greedy_tokens_agree_prefix"] = same
+        del hf
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+
+    _print(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0
+
+
+def _print(r: dict) -> None:
+    c = r["ceilings"]
+    print(f"rooflm bench latency: {r['model']} {r['dtype']} batch={r['batch_size']} input={r['input_len']} "
+          f"output={r['output_len']} on {c['device']} (attention {','.join(r['attention_backend'])}, "
+          f"CUDA graphs {'on' if r['cuda_graphs'] else 'off'})")
+    print(f"  measured: copy {c['copy_gbps']:.0f} GB/s, matmul {c['matmul_tflops']:.3g} TFLOP/s")
+    print(f"  engine init {r['engine_init_s']:.1f} s (graph capture {r['graph_capture_s']:.1f} s), "
+          f"warm-up {r['warmup_s']:.1f} s")
+    print(f"  TTFT {r['ttft_s'] * 1e3:.1f} ms   TPOT {r['tpot_s'] * 1e3:.2f} ms   decode {r['decode_tok_s']:.1f} tok/s   "
+          f"end-to-end {r['e2e_tok_s']:.1f} tok/s")
+    if "roofline" in r:
+        rb = r["roofline"]
+        print(f"  roofline: TPOT >= {rb['tpot_s'] * 1e3:.2f} ms ({r['fraction_of_roofline_tpot']:.1%} reached), "
+              f"TTFT >= {rb['ttft_s'] * 1e3:.1f} ms ({r['fraction_of_roofline_ttft']:.1%} reached)")
+        print(f"  achieved {r['achieved_gbps']:.0f} GB/s in decode = {r['fraction_of_copy_bandwidth']:.1%} of the "
+              f"measured copy bandwidth; prefill {r['prefill_tflops']:.0f} TFLOP/s = "
+              f"{r['prefill_fraction_of_matmul_peak']:.1%} of the measured matmul peak")
+    if "hf" in r:
+        h = r["hf"]
+        print(f"  transformers generate: TTFT {h['ttft_s'] * 1e3:.1f} ms  TPOT {h['tpot_s'] * 1e3:.2f} ms  "
+              f"decode {h['decode_tok_s']:.1f} tok/s  end-to-end {h['e2e_tok_s']:.1f} tok/s")
+        print(f"  speed-up: decode {r['speedup_decode']:.1f}x, end-to-end {r['speedup_e2e']:.1f}x "
+              f"(greedy tokens agree for the first {r['hf_greedy_tokens_agree_prefix']})")

@@ -1,0 +1,191 @@
+"""AsyncLLMEngine over the fake engine: batching, aborts, admission control, engine death, shutdown."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fake_llm_engine import FakeConfig, FakeEngine
+
+from rooflm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from rooflm.sampling_params import SamplingParams
+
+T = 20  # seconds: upper bound of every wait below
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, T))
+
+
+def greedy(n: int = 8) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n)
+
+
+def test_generate_streams_cumulative_outputs_until_finished():
+    fake = FakeEngine()
+    eng = AsyncLLMEngine(fake)
+
+    async def main():
+        outs = [o async for o in eng.generate("hello", greedy(5))]
+        return outs
+
+    try:
+        outs = _run(main())
+    finally:
+        eng.shutdown()
+    assert outs[-1].finished and all(not o.finished for o in outs[:-1])
+    texts = [o.outputs[0].text for o in outs]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # cumulative: only grows
+    assert len(outs[-1].outputs[0].token_ids) == 5 and outs[-1].outputs[0].finish_reason == "length"
+    assert eng.num_unfinished_requests == 0
+
+
+def test_request_added_later_joins_the_running_batch():
+    """A request arriving while another runs is stepped together with it (no waiting for the first to end)."""
+    fake = FakeEngine(step_delay=0.01)
+    eng = AsyncLLMEngine(fake)
+
+    async def main():
+        first_tokens_when_second_started = []
+
+        async def first():
+            return [o async for o in eng.generate("a", greedy(40))]
+
+        async def second():
+            await asyncio.sleep(0.05)
+            outs = []
+            async for o in eng.generate("b", greedy(3)):
+                if not outs:
+                    first_tokens_when_second_started.append(fake.generation_tokens)
+                outs.append(o)
+            return outs
+
+        a, b = await asyncio.gather(first(), second())
+        return a, b, first_tokens_when_second_started[0]
+
+    try:
+        a, b, gen_at_join = _run(main())
+    finally:
+        eng.shutdown()
+    assert b[-1].finished and a[-1].finished
+    assert gen_at_join < 40  # the first request was still running when the second produced its first token
+
+
+def test_closing_the_generator_aborts_the_request():
+    fake = FakeEngine(step_delay=0.005)
+    eng = AsyncLLMEngine(fake)
+
+    async def main():
+        gen = eng.generate("hello", greedy(100))
+        async for out in gen:
+            break
+        await gen.aclose()
+        for _ in range(400):
+            if not fake.has_unfinished_requests() and eng.num_unfinished_requests == 0:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    try:
+        assert _run(main())
+    finally:
+        eng.shutdown()
+    assert len(fake.aborted) == 1
+    assert eng.stats.num_running == 0 and eng.stats.num_free_blocks == eng.stats.num_total_blocks
+
+
+def test_cancelled_consumer_aborts_the_request():
+    fake = FakeEngine(step_delay=0.005)
+    eng = AsyncLLMEngine(fake)
+
+    async def consume():
+        async for _ in eng.generate("x", greedy(100)):
+            pass
+
+    async def main():
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(400):
+            if not fake.has_unfinished_requests():
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    try:
+        assert _run(main())
+    finally:
+        eng.shutdown()
+
+
+def test_add_request_value_error_reaches_the_caller():
+    eng = AsyncLLMEngine(FakeEngine(FakeConfig(max_model_len=8)))
+
+    async def main():
+        with pytest.raises(ValueError, match="max_model_len=8"):
+            async for _ in eng.generate("this prompt is too long", greedy()):
+                pass
+
+    try:
+        _run(main())
+    finally:
+        eng.shutdown()
+    assert eng._unfinished_seqs == 0  # the refused request holds no admission slot
+
+
+def test_full_waiting_queue_raises_queue_full_at_once():
+    fake = FakeEngine(FakeConfig(max_num_seqs=2), step_delay=0.01)
+    eng = AsyncLLMEngine(fake, max_waiting=1)
+
+    async def main():
+        streams = [await eng.add_request("p", greedy(50)) for _ in range(3)]  # 2 run, 1 waits
+        with pytest.raises(QueueFullError, match="waiting queue is full"):
+            await eng.add_request("p", greedy(50))
+        for s in streams:
+            eng.abort(s.request_id)
+        for _ in range(400):  # slots come back after the aborts
+            if eng._unfinished_seqs == 0:
+                break
+            await asyncio.sleep(0.01)
+        stream = await eng.add_request("p", greedy(2))
+        return [o async for o in eng.iterate(stream)]
+
+    try:
+        outs = _run(main())
+    finally:
+        eng.shutdown()
+    assert outs[-1].finished
+
+
+def test_engine_death_fails_running_requests_and_refuses_new_ones():
+    fake = FakeEngine(fail_on_prompt="boom")
+    eng = AsyncLLMEngine(fake)
+
+    async def main():
+        with pytest.raises(EngineDeadError):
+            async for _ in eng.generate("boom", greedy()):
+                pass
+        with pytest.raises(EngineDeadError):
+            await eng.add_request("fine", greedy())
+
+    try:
+        _run(main())
+    finally:
+        eng.shutdown()
+    assert not eng.is_running
+
+
+def test_shutdown_ends_open_streams():
+    fake = FakeEngine(step_delay=0.01)
+    eng = AsyncLLMEngine(fake)
+
+    async def main():
+        stream = await eng.add_request("x", greedy(100))
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(eng.shutdown)
+        with pytest.raises(EngineDeadError):
+            async for _ in eng.iterate(stream):
+                pass
+
+    _run(main())
