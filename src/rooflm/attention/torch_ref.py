@@ -43,6 +43,36 @@ def attend(
     return torch.einsum("hqk,khd->qhd", probs, vf).to(q.dtype)
 
 
+def attend_decode_batched(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one new token per sequence, already in the cache
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    seq_lens: torch.Tensor,  # [num_seqs]
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """Decode attention for a whole batch in a handful of tensor ops (the per-sequence loop costs ~10 small ops per
+    sequence and layer). Same maths as ``attend``: checked against it in the tests."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    max_len = block_tables.shape[1] * block_size
+    tables = block_tables.long()
+    k = kv_cache[0][tables].reshape(num_seqs, max_len, num_kv_heads, head_dim).float()  # [S, L, Hkv, D]
+    v = kv_cache[1][tables].reshape(num_seqs, max_len, num_kv_heads, head_dim).float()
+    qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)  # GQA: no K/V repeat
+    scores = torch.einsum("shgd,slhd->shgl", qg, k) * scale  # [S, Hkv, G, L]
+    k_pos = torch.arange(max_len, device=q.device)[None, :]
+    last = (seq_lens.long() - 1)[:, None]  # the query's position
+    allowed = k_pos <= last
+    if sliding_window is not None:
+        allowed &= k_pos > last - sliding_window
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("shgl,slhd->shgd", probs, v)  # [S, Hkv, G, D]
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
 class TorchRefAttention:
     name = "torch"
 
@@ -57,6 +87,8 @@ class TorchRefAttention:
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        if meta.is_decode_only and meta.num_seqs > 1:
+            return attend_decode_batched(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window)
         out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
         for i, seq_len in enumerate(meta.seq_lens_cpu):

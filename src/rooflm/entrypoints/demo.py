@@ -65,6 +65,8 @@ def run_demo(args: argparse.Namespace) -> int:
                                                                                   top_p=0.9, seed=i)
         params.max_tokens = args.max_tokens
         ids.append(engine.add_request(f"demo-{i}", prompt, params))
+        if i == 0:  # the first request arrives alone; the others find the shared system prompt in the prefix cache
+            engine.step()
     print(f"user> {questions[0]}\nmodel> ", end="", flush=True)
     finals = drive(engine, ids[0], sys.stdout)
     wall = time.monotonic() - t0

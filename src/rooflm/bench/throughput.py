@@ -1,0 +1,110 @@
+"""Offline throughput: many requests through the engine at once; requests/s and tokens/s.
+
+``rooflm bench throughput --model llama-2-7b --load-format dummy --num-prompts 256 --input-len 512 --output-len 128``
+
+Method. ``--num-prompts`` requests of ``--input-len`` random token ids, each generating exactly ``--output-len``
+tokens (greedy, EOS ignored), go to ``LLM.generate`` in one call after a short warm-up; the engine batches them
+continuously (up to ``--max-num-seqs`` at once). Reported: requests/s, output tokens/s and total (prompt + output)
+tokens/s over the wall time of that call. ``--baseline hf`` times transformers' eager ``generate`` on the same
+weights over the first ``--hf-num-prompts`` prompts in batches of ``--hf-batch-size`` and prints the speed-up in
+output tokens/s. Ceilings (copy bandwidth, matmul rate) are measured in the same process, as in ``bench latency``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-2-7b")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--dtype", default="float16")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--kv-cache-memory-gib", type=float, default=None,
+                   help="KV pool size (default: what --max-num-seqs requests need, plus 10%%)")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--baseline", choices=["none", "hf"], default="none")
+    p.add_argument("--hf-num-prompts", type=int, default=64)
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from rooflm.bench.latency import build_hf_model, hf_generate_time, kv_budget_bytes, measure_ceilings
+    from rooflm.config import load_model_config
+    from rooflm.engine.engine import resolve_device, resolve_dtype
+    from rooflm.llm import LLM
+    from rooflm.sampling_params import SamplingParams
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    N, L_in, L_out = args.num_prompts, args.input_len, args.output_len
+    if min(N, L_in, L_out) < 1:
+        raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
+    ceilings = measure_ceilings(device, dtype)
+    seqs = min(args.max_num_seqs, N)
+    kv_bytes = (int(args.kv_cache_memory_gib * 2**30) if args.kv_cache_memory_gib
+                else kv_budget_bytes(load_model_config(args.model), dtype, seqs * (L_in + L_out)))
+    t0 = time.perf_counter()
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+              max_model_len=L_in + L_out, kv_cache_memory=kv_bytes, max_num_seqs=seqs,
+              max_num_batched_tokens=max(args.max_num_batched_tokens, L_in), enable_prefix_caching=False,
+              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend, seed=args.seed,
+              show_progress=False)
+    init_s = time.perf_counter() - t0
+    engine = llm.engine
+    cfg = engine.model_config
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(0, cfg.vocab_size, (N, L_in), generator=gen).tolist()
+    warm = torch.randint(0, cfg.vocab_size, (min(N, 8), L_in), generator=gen).tolist()
+    llm.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+
+    params = SamplingParams(temperature=0, max_tokens=L_out, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    res: dict = {
+        "model": args.model, "dtype": str(dtype).removeprefix("torch."), "num_prompts": N, "input_len": L_in,
+        "output_len": L_out, "max_num_seqs": seqs, "ceilings": ceilings, "engine_init_s": init_s,
+        "cuda_graphs": engine.runner.graph_runner is not None, "elapsed_s": elapsed,
+        "requests_per_s": N / elapsed, "output_tok_s": n_out / elapsed, "total_tok_s": (n_out + N * L_in) / elapsed,
+    }
+    if args.baseline == "hf":
+        hf = build_hf_model(engine)
+        sub = prompts[: args.hf_num_prompts]
+        hf_generate_time(hf, sub[:1], 2)  # warm-up
+        total, hf_out = 0.0, 0
+        for i in range(0, len(sub), args.hf_batch_size):
+            batch = sub[i: i + args.hf_batch_size]
+            t, toks = hf_generate_time(hf, batch, L_out)
+            total += t
+            hf_out += sum(len(x) for x in toks)
+        res["hf"] = {"num_prompts": len(sub), "batch_size": args.hf_batch_size, "elapsed_s": total,
+                     "requests_per_s": len(sub) / total, "output_tok_s": hf_out / total}
+        res["speedup_output_tok_s"] = res["output_tok_s"] / res["hf"]["output_tok_s"]
+        del hf
+    c = ceilings
+    print(f"rooflm bench throughput: {args.model} {res['dtype']} {N} prompts x ({L_in} in, {L_out} out), "
+          f"max_num_seqs={seqs}, on {c['device']} (CUDA graphs {'on' if res['cuda_graphs'] else 'off'})")
+    print(f"  {res['requests_per_s']:.2f} requests/s, {res['output_tok_s']:.0f} output tokens/s, "
+          f"{res['total_tok_s']:.0f} total tokens/s ({elapsed:.1f} s; engine init {init_s:.1f} s)")
+    if "hf" in res:
+        h = res["hf"]
+        print(f"  transformers generate ({h['num_prompts']} prompts, batches of {h['batch_size']}): "
+              f"{h['requests_per_s']:.2f} requests/s, {h['output_tok_s']:.0f} output tokens/s; "
+              f"speed-up {res['speedup_output_tok_s']:.1f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0
