@@ -320,3 +320,15 @@ def test_metrics_count_outcomes_and_latencies(shared_fake_server: FakeServer):
                  "rooflm_num_requests_waiting", 'outcome="success"', 'outcome="invalid"'):
         assert name in text, name
     assert API_KEY not in text
+
+
+def test_lone_surrogates_are_400_naming_the_field(shared_fake_server: FakeServer):
+    with shared_fake_server.client() as c:
+        for field, raw in (("prompt", b'{"prompt": "a\\ud800", "max_tokens": 1}'),
+                           ("model", b'{"prompt": "a", "model": "\\udfff"}'),
+                           ("stop", b'{"prompt": "a", "stop": ["\\ud800"]}')):
+            r = c.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+            assert_error(r, 400, field)
+        r = c.post("/v1/chat/completions", headers={"content-type": "application/json"},
+                   content=b'{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 1}')
+        assert_error(r, 400, "messages")

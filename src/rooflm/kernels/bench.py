@@ -57,31 +57,54 @@ LLAMA7B_SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 40
 
 
 def gemv_sweep(ms=(1, 2, 4, 8, 16), dtype=torch.float16) -> list[dict]:
-    from rooflm.kernels.gemv import GemvConfig, _time, gemv
+    """Each candidate and torch's linear, timed from a CUDA graph over weight copies larger than the L2."""
+    from rooflm.kernels.gemv import GemvConfig, gemv, time_in_graph, weight_copies
 
     sweep = [GemvConfig(False, bn, bk, s, w, st) for bn, bk, s, w, st in (
-        (16, 256, 1, 4, 3), (32, 256, 1, 8, 3), (8, 512, 1, 4, 3), (16, 512, 1, 4, 2), (64, 128, 1, 4, 3),
-        (16, 256, 2, 4, 3), (16, 256, 4, 4, 3), (32, 128, 1, 4, 1), (16, 256, 1, 4, 1))]
+        (16, 256, 1, 4, 3), (32, 256, 1, 8, 3), (8, 512, 1, 4, 3), (16, 512, 1, 4, 2), (4, 1024, 1, 4, 2),
+        (8, 1024, 1, 8, 2), (4, 512, 1, 2, 3), (8, 256, 1, 2, 3), (16, 256, 2, 4, 3), (8, 512, 2, 4, 3),
+        (8, 512, 4, 4, 3), (16, 128, 1, 4, 4))]
     sweep += [GemvConfig(True, bn, bk, s, w, st) for bn, bk, s, w, st in (
         (32, 128, 1, 4, 4), (64, 128, 1, 4, 4), (32, 256, 1, 4, 3), (64, 256, 1, 8, 3), (16, 256, 1, 4, 4),
-        (128, 128, 1, 8, 3), (32, 128, 2, 4, 4), (32, 128, 4, 4, 4), (64, 64, 1, 4, 6))]
+        (16, 512, 1, 4, 3), (32, 128, 2, 4, 4), (32, 128, 4, 4, 4), (16, 256, 2, 4, 4), (16, 256, 4, 4, 4),
+        (64, 64, 1, 4, 6))]
     rows = []
     for name, (n, k) in LLAMA7B_SHAPES.items():
         w = torch.randn(n, k, dtype=dtype, device="cuda") / math.sqrt(k)
+        copies = weight_copies(w)
         for m in ms:
             x = torch.randn(m, k, dtype=dtype, device="cuda")
             nbytes = (n * k + m * k + m * n) * 2
-            res = {"torch": _time(lambda: torch.nn.functional.linear(x, w), x.device)}
+            res = {"torch": time_in_graph(lambda ww: torch.nn.functional.linear(x, ww), copies, x.device)}
             for cfg in sweep:
                 if cfg.supports(m):
-                    res[_cfg_name(cfg)] = _time(lambda c=cfg: gemv(x, w, None, c), x.device)
+                    try:
+                        res[_cfg_name(cfg)] = time_in_graph(lambda ww, c=cfg: gemv(x, ww, None, c), copies, x.device)
+                    except Exception as e:  # noqa: BLE001 - a config that does not compile: report, go on
+                        print("gemv", _cfg_name(cfg), "failed:", type(e).__name__, str(e)[:200])
             best = min(res, key=res.get)
             rows.append({"shape": name, "n": n, "k": k, "m": m, "best": best, "best_us": res[best] * 1e3,
                          "best_gbps": nbytes / res[best] / 1e6, "torch_us": res["torch"] * 1e3,
                          "torch_gbps": nbytes / res["torch"] / 1e6,
+                         "top5": [(c, round(t * 1e3, 2)) for c, t in sorted(res.items(), key=lambda r: r[1])[:5]],
                          "all_us": {c: round(t * 1e3, 2) for c, t in sorted(res.items(), key=lambda r: r[1])}})
-        del w
+        del w, copies
     return rows
+
+
+def graph_ms(calls, rounds: int = 1, reps: int = 5) -> float:
+    """Milliseconds of one pass over ``calls`` (zero-argument callables), replayed from a CUDA graph."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(rounds):
+            for c in calls:
+                c()
+    ms = _events_ms(g.replay, reps=reps, warmup=1) / rounds
+    del g
+    return ms
 
 
 def _cfg_name(c) -> str:
@@ -89,26 +112,27 @@ def _cfg_name(c) -> str:
 
 
 def decode_attention_bench(dtype=torch.float16) -> list[dict]:
+    """Decode attention replayed from a CUDA graph over 8 caches (as 8 layers), per call."""
     from rooflm.kernels.decode_attention import paged_decode_attention
 
     rows = []
     for batch, heads, kv_heads, ctx in ((1, 32, 32, 1152), (1, 32, 8, 4096), (32, 32, 32, 1152), (8, 32, 8, 8192)):
-        bs, d = 16, 128
+        bs, d, layers = 16, 128, 8
         nblk = batch * math.ceil(ctx / bs) + 1
-        cache = torch.randn(2, nblk, bs, kv_heads, d, dtype=dtype, device="cuda")
+        caches = [torch.randn(2, nblk, bs, kv_heads, d, dtype=dtype, device="cuda") for _ in range(layers)]
         tables = torch.randperm(nblk - 1, device="cuda")[: batch * math.ceil(ctx / bs)].view(batch, -1).int()
         seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
         q = torch.randn(batch, heads, d, dtype=dtype, device="cuda")
         nbytes = 2 * batch * ctx * kv_heads * d * 2
         res = {}
-        for splits in (None, 1, 4, 8, 16):
-            ms = _events_ms(lambda s=splits: paged_decode_attention(q, cache, tables, seq_lens, d ** -0.5,
-                                                                     num_splits=s), reps=30)
-            res["auto" if splits is None else str(splits)] = ms
+        for splits in (None, 1, 2, 4, 8, 16):
+            calls = [lambda s=splits, c=c: paged_decode_attention(q, c, tables, seq_lens, d ** -0.5, num_splits=s)
+                     for c in caches]
+            res["auto" if splits is None else str(splits)] = graph_ms(calls) / layers
         rows.append({"batch": batch, "heads": heads, "kv_heads": kv_heads, "ctx": ctx,
                      "us": {k: round(v * 1e3, 2) for k, v in res.items()},
                      "gbps_auto": nbytes / res["auto"] / 1e6, "gbps_best": nbytes / min(res.values()) / 1e6})
-        del cache
+        del caches
     return rows
 
 
@@ -149,6 +173,7 @@ def prefill_attention_bench(dtype=torch.float16) -> list[dict]:
 
 
 def elementwise_bench(dtype=torch.float16) -> list[dict]:
+    """Small fused kernels, per call, replayed 32 times from a CUDA graph (launch overhead excluded)."""
     from rooflm.kernels.activation import silu_and_mul
     from rooflm.kernels.rmsnorm import rms_norm
 
@@ -157,10 +182,10 @@ def elementwise_bench(dtype=torch.float16) -> list[dict]:
         x = torch.randn(T, 4096, dtype=dtype, device="cuda")
         r = torch.randn_like(x)
         w = torch.randn(4096, dtype=dtype, device="cuda")
-        ms = _events_ms(lambda: rms_norm(x, w, 1e-5, r), reps=50)
+        ms = graph_ms([lambda: rms_norm(x, w, 1e-5, r)], rounds=32)
         rows.append({"op": "add_rmsnorm", "tokens": T, "us": ms * 1e3, "gbps": 4 * x.numel() * 2 / ms / 1e6})
         g = torch.randn(T, 22016, dtype=dtype, device="cuda")
-        ms = _events_ms(lambda: silu_and_mul(g), reps=50)
+        ms = graph_ms([lambda: silu_and_mul(g)], rounds=32)
         rows.append({"op": "silu_and_mul", "tokens": T, "us": ms * 1e3, "gbps": 1.5 * g.numel() * 2 / ms / 1e6})
     return rows
 
@@ -196,6 +221,34 @@ class SyntheticLlama:
         self.cos, self.sin = ang.cos(), ang.sin()
         self.x = torch.randn(batch, hidden, dtype=dtype, device=dev) * 0.1
         self.kv_bytes = 2 * batch * ctx * kv_heads * self.d * 2 * layers
+
+    def parts_ms(self, linear) -> dict:
+        """The step's kernels by kind, each kind alone replayed from a CUDA graph over all layers (ms)."""
+        from rooflm.kernels.activation import silu_and_mul
+        from rooflm.kernels.decode_attention import paged_decode_attention
+        from rooflm.kernels.kv_cache import rotary_write_kv_cache
+        from rooflm.kernels.rmsnorm import rms_norm
+
+        B, H, D = self.x.shape[0], self.heads, self.d
+        xh = self.x
+        xi = torch.randn(B, self.layers[0]["down"].shape[1], dtype=xh.dtype, device=xh.device)
+        q = torch.randn(B, H, D, dtype=xh.dtype, device=xh.device)
+        kv = torch.randn(B, 2, self.kvh, D, dtype=xh.dtype, device=xh.device)
+        gu = torch.randn(B, self.layers[0]["gu"].shape[0], dtype=xh.dtype, device=xh.device)
+        out = {}
+        for kind in ("qkv", "o", "gu", "down"):
+            src = xi if kind == "down" else xh
+            out["linear_" + kind] = graph_ms([lambda L=L, k=kind, s=src: linear(s, L[k]) for L in self.layers])
+        out["lm_head"] = graph_ms([lambda: linear(xh, self.lm_head)])
+        out["attention"] = graph_ms([lambda c=c: paged_decode_attention(q, c, self.block_tables, self.seq_lens,
+                                                                         D ** -0.5) for c in self.caches])
+        out["rotary_cache"] = graph_ms([lambda c=c: rotary_write_kv_cache(q, kv[:, 0], kv[:, 1], self.positions,
+                                                                          self.cos, self.sin, c, self.slots)
+                                        for c in self.caches])
+        out["norms"] = graph_ms([lambda L=L: rms_norm(xh, L["n1"], 1e-5, xh) for L in self.layers] * 2)
+        out["silu"] = graph_ms([lambda: silu_and_mul(gu)] * len(self.layers))
+        out["sum"] = sum(out.values())
+        return out
 
     def step(self, linear) -> torch.Tensor:
         from rooflm.kernels.activation import silu_and_mul
@@ -244,11 +297,13 @@ def synthetic_decode(batches=(1, 32), ctx: int = 1088) -> list[dict]:
                 model.step(lin)
             torch.cuda.synchronize()
             cap_s = time.perf_counter() - t0
-            graph_ms = _events_ms(g.replay, reps=30)
+            step_ms = _events_ms(g.replay, reps=30)
             nbytes = model.weight_bytes + model.kv_bytes
+            parts = model.parts_ms(lin)
             rows.append({"batch": batch, "ctx": ctx, "linear": name, "warmup_s": warm_s, "capture_s": cap_s,
-                         "eager_ms": eager_ms, "graph_ms": graph_ms, "tokens_per_s": batch * 1e3 / graph_ms,
-                         "gbps": nbytes / graph_ms / 1e6, "bytes": nbytes})
+                         "eager_ms": eager_ms, "graph_ms": step_ms, "tokens_per_s": batch * 1e3 / step_ms,
+                         "gbps": nbytes / step_ms / 1e6, "bytes": nbytes,
+                         "parts_ms": {k: round(v, 3) for k, v in parts.items()}})
             del g
         del model
         torch.cuda.empty_cache()

@@ -6,8 +6,8 @@
 # may under-use memory bandwidth on such shapes. FlashDecoding++ keeps GEMV, flat-GEMM and GEMM implementations and
 # picks one per (M, N, K) from measurements; ``linear`` here does the same on the running device: the first time a
 # shape bucket is seen (outside a CUDA-graph capture) it times each candidate below against ``torch.nn.functional.
-# linear`` on the real weight, with the L2 flushed between runs so W is read from memory as in a real decode step,
-# and keeps the fastest.
+# linear``, replaying both from a CUDA graph over copies of the real weight that together exceed the L2 (so W comes
+# from device memory, as in a real decode step, and launch overhead is not counted), and keeps the fastest.
 #
 # Kernels (W is [N, K] row-major, nn.Linear's layout; x [M, K]; out [M, N]):
 #   * sum:  M == 1. A program owns BLOCK_N output columns; it streams [BLOCK_N, BLOCK_K] tiles of W, multiplies
@@ -30,7 +30,7 @@ from rooflm.kernels._tl import dot, dot_upcast
 from rooflm.kernels._utils import interpreting
 
 
-@triton.jit(do_not_specialize=["M", "k_per_split"])
+@triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
     M, N, K, k_per_split,
@@ -54,6 +54,7 @@ def _gemv_kernel(
         mask_m = offs_m < M
         acc = tl.zeros([16, BLOCK_N], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
+            k0 = tl.multiple_of(k0, 16)  # k_per_split is a multiple of BLOCK_K: 16-byte vector loads
             offs_k = k0 + offs_kb
             if EVEN_K:
                 x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None], other=0.0)
@@ -74,6 +75,7 @@ def _gemv_kernel(
     else:  # M == 1
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
+            k0 = tl.multiple_of(k0, 16)  # k_per_split is a multiple of BLOCK_K: 16-byte vector loads
             offs_k = k0 + offs_kb
             if EVEN_K:
                 x = tl.load(x_ptr + offs_k)
@@ -180,7 +182,6 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 # ---------------------------------------------------------------------------------------------------------------------
 _TORCH = "torch"
 _choices: dict[tuple, GemvConfig | str] = {}
-_flush: dict[torch.device, torch.Tensor] = {}
 
 
 def _m_bucket(m: int) -> int:
@@ -190,24 +191,41 @@ def _m_bucket(m: int) -> int:
     return b
 
 
-def _time(fn, device: torch.device, reps: int = 15) -> float:
-    """Median milliseconds of fn() with the L2 flushed before each run (weights come from device memory)."""
-    buf = _flush.get(device)
-    if buf is None:
-        buf = _flush[device] = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device=device)
-    for _ in range(3):
-        fn()
+def time_in_graph(call, weights: list[torch.Tensor], device: torch.device, reps: int = 3) -> float:
+    """Median milliseconds of one ``call(w)``, replayed from a CUDA graph that cycles through ``weights`` (copies of
+    one matrix, together several times the L2): each call streams its weight from device memory, as in a real
+    decode step where the other layers' weights evict it, and no launch overhead is counted."""
+    for w in weights:
+        call(w)  # compile / autotune outside the capture
+    torch.cuda.synchronize(device)
+    rounds = max(1, 24 // len(weights))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for w in weights:
+                call(w)
+    graph.replay()
+    torch.cuda.synchronize(device)
     times = []
     for _ in range(reps):
-        buf.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / (rounds * len(weights)))
+    del graph
     times.sort()
     return times[len(times) // 2]
+
+
+def weight_copies(weight: torch.Tensor, min_bytes: int | None = None) -> list[torch.Tensor]:
+    """``weight`` plus copies enough to hold together about three L2s (at least two matrices, at most eight)."""
+    if min_bytes is None:
+        props = torch.cuda.get_device_properties(weight.device)
+        min_bytes = 3 * int(getattr(props, "L2_cache_size", 64 * 2**20) or 64 * 2**20)
+    n = max(2, min(8, -(-min_bytes // (weight.numel() * weight.element_size()))))
+    return [weight] + [weight.clone() for _ in range(n - 1)]
 
 
 def choose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | str:
@@ -225,11 +243,13 @@ def choose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         return _TORCH  # no timing inside a capture; the runner warms up every bucket eagerly first
     mb = key[0]
     xs = torch.randn(mb, weight.shape[1], dtype=x.dtype, device=x.device)
+    copies = weight_copies(weight)
     results: list[tuple[float, GemvConfig | str]] = [
-        (_time(lambda: linear_ref(xs, weight, bias), x.device), _TORCH)]
+        (time_in_graph(lambda w: linear_ref(xs, w, bias), copies, x.device), _TORCH)]
     for cfg in CANDIDATES:
         if cfg.supports(mb):
-            results.append((_time(lambda c=cfg: gemv(xs, weight, bias, c), x.device), cfg))
+            results.append((time_in_graph(lambda w, c=cfg: gemv(xs, w, bias, c), copies, x.device), cfg))
+    del copies
     results.sort(key=lambda r: r[0])
     pick = results[0][1]
     if forced == "verbose":

@@ -10,14 +10,27 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 MAX_N = 16  # samples per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_STOP = 16  # stop strings per request
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
-NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
+
+
+def _valid_unicode(text: str) -> str:
+    """JSON may carry lone surrogates (\\ud800) that no tokenizer or UTF-8 response can hold: refuse them here."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text holds {text[e.start:e.end]!r} at position {e.start}, a lone surrogate: "
+                         "not valid Unicode") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+NonEmptyStr = Annotated[Text, StringConstraints(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
@@ -33,7 +46,7 @@ class StreamOptions(_Strict):
 class SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model: str | None = None  # None: the served model
+    model: Text | None = None  # None: the served model
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
@@ -42,10 +55,10 @@ class SamplingRequest(_Strict):
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=0.0, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None  # only empty / null is supported
+    logit_bias: dict[Text, float] | None = None  # only empty / null is supported
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     # extras, vLLM's names
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
@@ -67,18 +80,18 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # only best_of == n is supported
-    suffix: str | None = None  # only empty / null is supported
+    suffix: Text | None = None  # only empty / null is supported
 
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[TextPart], Field(max_length=256)] | None = None
-    name: str | None = None
+    content: Text | Annotated[list[TextPart], Field(max_length=256)] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -97,13 +110,13 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(_Strict):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = True
     add_generation_prompt: bool | None = True
 
 
 class DetokenizeRequest(_Strict):
-    model: str | None = None
+    model: Text | None = None
     tokens: Annotated[list[TokenId], Field(max_length=1_000_000)]
