@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call of the GPU fast path (issue 5): run from the repository root on the GPU machine as
 #   bash tests/gpu/device_session.sh STAGE...      (stages: info tests kbench latency1 latency32 prefill throughput)
-# Logs and JSON go to $OUT (or ./out). Every stage has its own time limit, so one failure does not sink the call.
+# JSON and profiles go to $OUT (or ./out), every stage's log is appended to $OUT/all.log (the device tool returns at
+# most 8 files). Every stage has its own time limit, so one failure does not sink the call.
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
@@ -11,28 +12,29 @@ run() {  # run NAME LIMIT_S CMD...
   local name=$1 limit=$2; shift 2
   echo "=== $name ($(date +%H:%M:%S), limit ${limit}s): $*"
   local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" > "/tmp/$name.log" 2>&1
   local rc=$?
+  { echo "=== $name: $*"; cat "/tmp/$name.log"; } >> "$OUT/all.log"
   echo "--- $name rc=$rc in $((SECONDS - t0)) s; tail:"
-  tail -n "${TAIL:-25}" "$OUT/$name.log"
+  tail -n "${TAIL:-25}" "/tmp/$name.log"
 }
 for stage in "$@"; do
   case $stage in
     info) nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv
           $PY -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)";;
-    tests) TAIL=40 run tests 420 $PY -m pytest tests/kernels tests/gpu -q -rs -p no:cacheprovider -s \
+    tests) TAIL=30 run tests 300 $PY -m pytest tests/kernels tests/gpu -q -rs -p no:cacheprovider -s \
              -k "not engine_with" ;;
-    tests_engine) run tests_engine 300 $PY -m pytest tests/gpu/test_gpu_model.py -q -s -p no:cacheprovider -k engine_with ;;
-    kbench) TAIL=60 run kbench 480 $PY -m rooflm.kernels.bench --json "$OUT/kbench.json" ;;
-    kbench_quick) TAIL=60 run kbench 300 $PY -m rooflm.kernels.bench --sections ceilings,decode --json "$OUT/kbench.json" ;;
-    latency1) run latency1 420 $PY -m rooflm.cli bench latency --model llama-2-7b --load-format dummy --batch-size 1 \
+    tests_engine) run tests_engine 150 $PY -m pytest tests/gpu/test_gpu_model.py -q -s -p no:cacheprovider -k engine_with ;;
+    kbench) TAIL=80 run kbench 300 $PY -m rooflm.kernels.bench --json "$OUT/kbench.json" ;;
+    kbench_quick) TAIL=30 run kbench 300 $PY -m rooflm.kernels.bench --sections ceilings,decode_attn,prefill_attn,decode --json "$OUT/kbench.json" ;;
+    latency1) run latency1 420 $PY -m rooflm.cli bench latency --model llama-2-7b --load-format dummy --batch-size 1 --profile "$OUT/profile1.txt" \
                 --input-len 1024 --output-len 128 --dtype float16 --baseline hf --json "$OUT/latency1.json" ;;
     latency32) run latency32 300 $PY -m rooflm.cli bench latency --model llama-2-7b --load-format dummy --batch-size 32 \
                  --input-len 1024 --output-len 128 --dtype float16 --num-iters 2 --json "$OUT/latency32.json" ;;
     prefill) run prefill 240 $PY -m rooflm.cli bench latency --model llama-2-7b --load-format dummy --batch-size 1 \
                --input-len 2048 --output-len 2 --dtype float16 --num-iters 5 --json "$OUT/prefill.json" ;;
     throughput) run throughput 420 $PY -m rooflm.cli bench throughput --model llama-2-7b --load-format dummy \
-                  --num-prompts 256 --input-len 512 --output-len 128 --dtype float16 --baseline hf \
+                  --num-prompts 256 --max-num-seqs 128 --input-len 512 --output-len 128 --dtype float16 --baseline hf \
                   --json "$OUT/throughput.json" ;;
     *) echo "unknown stage $stage";;
   esac

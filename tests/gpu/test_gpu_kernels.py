@@ -23,6 +23,15 @@ def test_decode(num_kv_heads, window, num_splits):
                  seed=num_kv_heads + (window or 0))
 
 
+@pytest.mark.parametrize("fused_reduce", [True, False])
+@pytest.mark.parametrize("block_n,num_splits", [(32, 24), (64, 16), (64, 40)])
+def test_decode_reduce_paths_and_tiles(fused_reduce, block_n, num_splits):
+    # repeated on fresh inputs: the fused (atomic-ticket) reduction must give the same answer every time
+    for seed in range(5):
+        check_decode(32, 8, 128, 16, LENS, num_splits=num_splits, fused_reduce=fused_reduce, block_n=block_n,
+                     device=DEV, seed=seed)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32), (96, 16)])
 def test_decode_dtypes_and_dims(dtype, head_dim, block_size):
@@ -86,8 +95,10 @@ def test_linear_dispatch_picks_and_matches():
     assert gemv.choices(), "the dispatcher recorded no choice"
 
 
-def test_decode_in_cuda_graph_replays_at_new_lengths():
-    """Capture decode attention once; replay with other contexts and lengths written into the static buffers."""
+@pytest.mark.parametrize("fused_reduce", [False, True])
+def test_decode_in_cuda_graph_replays_at_new_lengths(fused_reduce):
+    """Capture decode attention once; replay with other contexts and lengths written into the static buffers (the
+    fused reduction's tickets must be back at zero after every replay)."""
     from kernel_checks import make_paged
 
     from rooflm.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
@@ -99,11 +110,11 @@ def test_decode_in_cuda_graph_replays_at_new_lengths():
     seq_lens = torch.tensor(lens0, dtype=torch.int32, device=DEV)
     out = torch.empty_like(q)
     scale = D ** -0.5
-    paged_decode_attention(q, cache, tables, seq_lens, scale, out=out)  # compile outside the capture
+    paged_decode_attention(q, cache, tables, seq_lens, scale, out=out, fused_reduce=fused_reduce)  # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        paged_decode_attention(q, cache, tables, seq_lens, scale, out=out)
+        paged_decode_attention(q, cache, tables, seq_lens, scale, out=out, fused_reduce=fused_reduce)
     for lens in ([2100, 5, 17, 0], [1, 1, 1, 1], [999, 2000, 16, 256]):
         q.copy_(torch.randn_like(q))
         cache.copy_(torch.randn_like(cache))

@@ -37,7 +37,7 @@ def make_paged(
 
 
 def check_decode(num_heads, num_kv_heads, head_dim, block_size, lens, window=None, num_splits=None,
-                 dtype=torch.float16, device="cpu", seed=0):
+                 dtype=torch.float16, device="cpu", seed=0, fused_reduce=False, block_n=None):
     from rooflm.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 
     g = torch.Generator().manual_seed(seed)
@@ -46,7 +46,8 @@ def check_decode(num_heads, num_kv_heads, head_dim, block_size, lens, window=Non
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, cache, tables, seq_lens, scale, window, num_splits=num_splits, out=out)
+    paged_decode_attention(q, cache, tables, seq_lens, scale, window, num_splits=num_splits, out=out,
+                           fused_reduce=fused_reduce, block_n=block_n)
     ref = paged_decode_attention_ref(q, cache, tables, seq_lens, scale, window)
     assert_close(out, ref, dtype, f"decode H={num_heads} Hkv={num_kv_heads} D={head_dim} lens={lens} w={window}")
 

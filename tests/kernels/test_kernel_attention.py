@@ -13,9 +13,12 @@ def test_decode_gqa_and_lengths(device, num_heads, num_kv_heads, lens, block_siz
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5])
-def test_decode_split_counts(device, num_splits):
-    # more splits than tiles leaves empty splits; their partials must not disturb the sum
-    check_decode(4, 2, 32, 16, [100, 3, 48], num_splits=num_splits, device=device, seed=num_splits)
+@pytest.mark.parametrize("fused_reduce", [True, False])
+def test_decode_split_counts(device, num_splits, fused_reduce):
+    # more splits than tiles leaves empty splits; their partials must not disturb the sum. fused_reduce: the last
+    # split program combines (one launch); otherwise a second kernel does.
+    check_decode(4, 2, 32, 16, [100, 3, 48], num_splits=num_splits, device=device, seed=num_splits,
+                 fused_reduce=fused_reduce)
 
 
 @pytest.mark.parametrize("window", [1, 7, 16, 64])

@@ -1,88 +1,37 @@
-"""Servers for the server tests.
+"""Fixtures of the server tests (helpers in server_helpers.py).
 
-- ``fake_server``: the real app + AsyncLLMEngine in-process (uvicorn in a thread) over a fast fake engine.
+- ``fake_server`` / ``shared_fake_server``: the app in-process over the fake engine.
 - ``real_server``: ``rooflm serve`` in a subprocess with the embedded default model (session-scoped; loading takes
   tens of seconds on a small CPU), with an API key.
-- ``small_server``: ``rooflm serve`` in a subprocess running one sequence at a time and no waiting queue, for the
-  503 and SIGTERM tests (started together with ``real_server`` so both load at once).
+- ``small_server``: ``rooflm serve`` running one sequence at a time with no waiting room, for the 503 and SIGTERM
+  tests (started together with ``real_server`` so both load at once).
 
-Every wait has a timeout; every server started here is stopped at teardown.
+Every server started here is stopped at teardown.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
-import re
-import signal
-import socket
-import subprocess
 import sys
-import threading
-import time
-from typing import Any, Iterator
+from typing import Iterator
 
-import httpx
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from fake_llm_engine import FakeConfig, FakeEngine  # noqa: E402
+from server_helpers import (  # noqa: E402
+    API_KEY,
+    HAVE_REAL_ENGINE,
+    REAL_ARGS,
+    SMALL_ARGS,
+    FakeServer,
+    ServerProcess,
+)
 
-API_KEY = "test-key-4"
-REAL_MAX_MODEL_LEN = 512
-SMALL_MAX_MODEL_LEN = 256
-READY_TIMEOUT_S = float(os.environ.get("ROOFLM_TEST_SERVER_TIMEOUT", "300"))
-
-HAVE_REAL_ENGINE = importlib.util.find_spec("rooflm.engine.engine") is not None
-# `rooflm serve`, the command users run (python -m rooflm.cli is the `rooflm` console script).
-SERVE_CMD = [sys.executable, "-m", "rooflm.server"]  # TEMP while rooflm.cli is broken
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# In-process server (fake engine)
-# ---------------------------------------------------------------------------------------------------------------------
-class InProcessServer:
-    def __init__(self, app: Any) -> None:
-        import uvicorn
-
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def start(self) -> "InProcessServer":
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("in-process server did not start")
-            time.sleep(0.01)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
-        self.sock.close()
+_prestarted: dict[str, ServerProcess] = {}
 
 
-class FakeServer:
-    def __init__(self, api_key: str | None = API_KEY, max_waiting: int | None = 64, step_delay: float = 0.002,
-                 config: FakeConfig | None = None) -> None:
-        from rooflm.engine.async_engine import AsyncLLMEngine
-        from rooflm.server.app import build_app
-
-        self.fake = FakeEngine(config or FakeConfig(max_model_len=128, max_num_seqs=8), step_delay=step_delay)
-        self.engine = AsyncLLMEngine(self.fake, max_waiting=max_waiting)
-        self.app = build_app(self.engine, api_key=api_key)
-        self.http = InProcessServer(self.app)
-        self.url = self.http.url
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-    def client(self, **kw: Any) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers=self.headers, timeout=30, **kw)
+def _start_small() -> ServerProcess:
+    return ServerProcess(*SMALL_ARGS)
 
 
 @pytest.fixture
@@ -105,99 +54,11 @@ def shared_fake_server() -> Iterator[FakeServer]:
         server.http.stop()
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Subprocess server (real engine)
-# ---------------------------------------------------------------------------------------------------------------------
-class ServerProcess:
-    """``python -m rooflm.cli serve --port 0 ...``; the URL is read from the line the command prints."""
-
-    _URL = re.compile(r"^rooflm serve: .* on (http://\S+)\s*$")
-
-    def __init__(self, *args: str, api_key: str | None = None) -> None:
-        cmd = [*SERVE_CMD, "--host", "127.0.0.1", "--port", "0",
-               "--log-level", "warning", "--show-progress", "false", *args]
-        if api_key:
-            cmd += ["--api-key", api_key]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.pop("ROOFLM_API_KEY", None)
-        self.api_key = api_key
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     env=env, start_new_session=True)
-        self.lines: list[str] = []
-        self.url: str | None = None
-        self._url_seen = threading.Event()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self._ready = False
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            m = self._URL.match(line)
-            if m and self.url is None:
-                self.url = m.group(1)
-                self._url_seen.set()
-        self._url_seen.set()  # EOF: the process ended
-
-    def output(self) -> str:
-        return "".join(self.lines[-60:])
-
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> "ServerProcess":
-        if self._ready:
-            return self
-        deadline = time.monotonic() + timeout
-        if not self._url_seen.wait(timeout) or self.url is None:
-            self.stop()
-            raise RuntimeError(f"rooflm serve did not start (exit {self.proc.poll()}):\n{self.output()}")
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"rooflm serve exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    self._ready = True
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"rooflm serve was not healthy within {timeout} s:\n{self.output()}")
-
-    def client(self, **kw: Any) -> httpx.Client:
-        assert self.url is not None
-        return httpx.Client(base_url=self.url, headers=self.headers, timeout=120, **kw)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self, timeout: float = 30) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._reader.join(5)
-        return self.proc.returncode
-
-
-_REAL_ARGS = ("--max-model-len", str(REAL_MAX_MODEL_LEN), "--max-num-seqs", "64", "--max-waiting", "256")
-_SMALL_ARGS = ("--max-model-len", str(SMALL_MAX_MODEL_LEN), "--max-num-seqs", "1", "--max-waiting", "0",
-               "--kv-cache-memory", "64M", "--shutdown-timeout", "60")
-_prestarted: dict[str, ServerProcess] = {}
-
-
-def _start_small() -> ServerProcess:
-    return ServerProcess(*_SMALL_ARGS)
-
-
 @pytest.fixture(scope="session")
 def real_server() -> Iterator[ServerProcess]:
     if not HAVE_REAL_ENGINE:
         pytest.skip("rooflm.engine.engine is not there yet")
-    server = ServerProcess(*_REAL_ARGS, api_key=API_KEY)
+    server = ServerProcess(*REAL_ARGS, api_key=API_KEY)
     if "small" not in _prestarted:  # load the small server meanwhile: two loads in parallel on two cores
         _prestarted["small"] = _start_small()
     try:

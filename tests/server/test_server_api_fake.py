@@ -6,7 +6,7 @@ import time
 
 import httpx
 import pytest
-from conftest import API_KEY, FakeServer
+from server_helpers import API_KEY, FakeServer
 
 from rooflm.server.app import build_app  # noqa: F401  (import check: the server package imports cleanly)
 
@@ -161,6 +161,25 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks():
         assert server.engine.stats.num_free_blocks == server.engine.stats.num_total_blocks
         metrics = httpx.get(server.url + "/metrics").text
         assert 'rooflm_requests_total{endpoint="completions",outcome="aborted"} 1.0' in metrics
+    finally:
+        server.http.stop()
+
+
+def test_disconnect_from_a_multi_prompt_stream_aborts_every_prompt():
+    server = FakeServer(step_delay=0.01)
+    server.http.start()
+    try:
+        with server.client() as c:
+            body = {"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 100, "stream": True}
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                next(line for line in r.iter_lines() if line.startswith("data: "))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (server.fake.has_unfinished_requests()
+                                               or server.engine.num_unfinished_requests):
+            time.sleep(0.02)
+        assert sorted(set(server.fake.aborted)) == sorted(f"{rid.rsplit('-', 1)[0]}-{i}" for i, rid in
+                                                          zip(range(3), [server.fake.aborted[0]] * 3))
+        assert server.engine._unfinished_seqs == 0
     finally:
         server.http.stop()
 
@@ -332,3 +351,17 @@ def test_lone_surrogates_are_400_naming_the_field(shared_fake_server: FakeServer
         r = c.post("/v1/chat/completions", headers={"content-type": "application/json"},
                    content=b'{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 1}')
         assert_error(r, 400, "messages")
+
+
+def test_listening_socket_is_tcp_so_asyncio_disables_nagle():
+    """asyncio sets TCP_NODELAY only on accepted sockets whose proto is IPPROTO_TCP; with Nagle on, each small
+    SSE chunk and each keep-alive response waits ~40 ms for the client's delayed ACK."""
+    import socket
+
+    from rooflm.server.launcher import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)
+    try:
+        assert sock.proto == socket.IPPROTO_TCP
+    finally:
+        sock.close()

@@ -189,3 +189,28 @@ def test_shutdown_ends_open_streams():
                 pass
 
     _run(main())
+
+
+def test_caller_cancelled_before_the_add_was_taken_leaves_the_engine_healthy():
+    """The add's future is cancelled while the engine thread is busy in a step: the thread must skip that add
+    (a cancelled future cannot take a result) and keep running."""
+    fake = FakeEngine(step_delay=0.2)
+    eng = AsyncLLMEngine(fake)
+
+    async def main():
+        busy = await eng.add_request("a", greedy(3))  # the thread now sleeps in step()
+        task = asyncio.ensure_future(eng.add_request("b", greedy(3), request_id="late"))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        outs = [o async for o in eng.iterate(busy)]
+        later = [o async for o in eng.generate("c", greedy(2))]
+        return outs, later, eng.is_running
+
+    try:
+        outs, later, alive = _run(main())
+    finally:
+        eng.shutdown()
+    assert alive and outs[-1].finished and later[-1].finished and not fake.has_unfinished_requests()
+    assert eng._unfinished_seqs == 0

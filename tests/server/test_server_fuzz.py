@@ -11,7 +11,7 @@ import json
 
 import httpx
 import pytest
-from conftest import FakeServer, ServerProcess
+from server_helpers import FakeServer, ServerProcess
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -175,12 +175,17 @@ def _fuzz(server_url: str, headers: dict, model: str, examples: int) -> None:
         assert http.get("/health").status_code == 200  # the engine survived everything
 
 
-def test_fuzz_request_bodies_fake_engine(shared_fake_server: FakeServer):
-    _fuzz(shared_fake_server.url, shared_fake_server.headers, "fake-model", examples=100)
+def test_fuzz_request_bodies_fake_engine():
+    server = FakeServer(step_delay=0.0)
+    server.http.start()
+    try:
+        _fuzz(server.url, server.headers, "fake-model", examples=300)
+    finally:
+        server.http.stop()
 
 
 @pytest.mark.slow
 def test_fuzz_request_bodies_real_server(real_server: ServerProcess):
     with real_server.client() as c:
         model = c.get("/v1/models").json()["data"][0]["id"]
-    _fuzz(real_server.url, real_server.headers, model, examples=40)
+    _fuzz(real_server.url, real_server.headers, model, examples=60)

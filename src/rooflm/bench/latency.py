@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hf: also time transformers' generate on the same weights and prompts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="also profile 8 decode steps with torch.profiler; write the operator tables to FILE")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -277,11 +279,43 @@ def run(args: argparse.Namespace) -> int:
         del hf
         torch.cuda.empty_cache() if device.type == "cuda" else None
 
+    if args.profile:
+        _profile(engine, prompts(), args.profile)
     _print(res)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1, default=str)
     return 0
+
+
+def _profile(engine, prompts: list[list[int]], path: str) -> None:
+    """torch.profiler over 8 decode steps of the batch: where a step's wall time goes beyond the GPU's."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from rooflm.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"prof-{time.monotonic_ns()}-{i}", p[: max(1, engine.max_model_len - 12)], params)
+    while any(s.num_output_tokens < 3 for s in engine.scheduler.running) or engine.scheduler.num_waiting:
+        engine.step()  # prefill and two decode steps outside the profile
+        engine.step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(8):
+            engine.step()
+    wall = (time.perf_counter() - t0) / 8
+    while engine.has_unfinished_requests():
+        engine.step()
+    ka = prof.key_averages()
+    with open(path, "w") as f:
+        f.write(f"8 decode steps, {wall * 1e3:.2f} ms per step (wall, under the profiler)\n\n")
+        f.write(ka.table(sort_by="cpu_time_total", row_limit=40))
+        f.write("\n\n")
+        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40))
+    print(f"  profile: {wall * 1e3:.2f} ms per decode step under the profiler; tables in {path}")
 
 
 def _print(r: dict) -> None:

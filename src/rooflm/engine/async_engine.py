@@ -29,7 +29,6 @@ import concurrent.futures
 import itertools
 import logging
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol
@@ -68,7 +67,7 @@ class _AddCommand:
     request_id: str
     prompt: str | list[int]
     params: SamplingParams
-    stream: "_RequestStream"
+    stream: "RequestStream"
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -77,7 +76,7 @@ class _AbortCommand:
     request_id: str
 
 
-class _RequestStream:
+class RequestStream:
     """The per-request channel from the engine thread to the caller's asyncio loop."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, num_seqs: int) -> None:
@@ -99,8 +98,8 @@ class AsyncLLMEngine:
     """Drive an ``LLMEngine`` from a background thread; ``generate()`` streams each request's cumulative outputs.
 
     ``max_waiting``: admission control. A request is refused with :class:`QueueFullError` (the server answers 503)
-    when the sequences that would have to wait — those beyond ``max_num_seqs`` running ones, or those the engine
-    reports waiting — would exceed it. ``None`` admits everything.
+    when the admitted, unfinished sequences would exceed ``max_num_seqs + max_waiting``, i.e. when more than
+    ``max_waiting`` sequences would wait for one of the ``max_num_seqs`` running slots. ``None`` admits everything.
     """
 
     def __init__(self, engine: EngineProtocol, *, max_waiting: int | None = None, max_num_seqs: int | None = None,
@@ -116,7 +115,7 @@ class AsyncLLMEngine:
         self._commands: collections.deque[_AddCommand | _AbortCommand] = collections.deque()
         self._wakeup = threading.Event()
         self._lock = threading.RLock()  # guards _unfinished_seqs, _closed and appends to _commands
-        self._streams: dict[str, _RequestStream] = {}  # engine thread only (plus reads under _lock)
+        self._streams: dict[str, RequestStream] = {}  # engine thread only (plus reads under _lock)
         self._unfinished_seqs = 0  # admitted sequences not finished yet (admission control)
         self._stop = False
         self._dead: BaseException | None = None
@@ -179,15 +178,6 @@ class AsyncLLMEngine:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
-    async def wait_until_idle(self, timeout: float) -> bool:
-        """Wait until no request is unfinished (or ``timeout`` seconds pass); True if idle."""
-        deadline = time.monotonic() + timeout
-        while self._streams or self._commands:
-            if time.monotonic() >= deadline or self._dead is not None:
-                return False
-            await asyncio.sleep(0.05)
-        return True
-
     # ------------------------------------------------------------------------------------------------ requests
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -202,24 +192,26 @@ class AsyncLLMEngine:
             yield out
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams,
-                          request_id: str | None = None) -> _RequestStream:
+                          request_id: str | None = None) -> RequestStream:
         """Admit and add one request; returns its stream once the engine thread accepted it."""
         if self._thread is None:
             self.start()
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         num_seqs = int(getattr(params, "n", 1) or 1)
-        stream = _RequestStream(request_id, asyncio.get_running_loop(), num_seqs)
+        stream = RequestStream(request_id, asyncio.get_running_loop(), num_seqs)
         self._admit(num_seqs)
         cmd = _AddCommand(request_id, prompt, params, stream)
         self._submit(cmd)
         try:
             await asyncio.wrap_future(cmd.done)
         except asyncio.CancelledError:
-            self.abort(request_id)  # processed after the add: frees whatever the add took
+            # Either the engine thread has not taken the add yet (then the future is cancelled and it never will),
+            # or it has: the abort, queued after the add, frees whatever the add took.
+            self.abort(request_id)
             raise
         return stream
 
-    async def iterate(self, stream: _RequestStream) -> AsyncIterator[RequestOutput]:
+    async def iterate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
@@ -250,9 +242,10 @@ class AsyncLLMEngine:
             if self._dead is not None or self._stop:
                 raise EngineDeadError(f"the engine is not running ({self._dead or 'shut down'})")
             if self.max_waiting is not None:
-                # Sequences that would wait: those beyond the running slots, or those the engine already holds
-                # waiting (KV pressure can keep requests waiting with free slots).
-                would_wait = max(self._unfinished_seqs + num_seqs - self.max_num_seqs, self._stats.num_waiting)
+                # Sequences that would wait: those beyond the max_num_seqs the engine runs at once. (Not the
+                # engine's own num_waiting: requests just added count there until the next step schedules them,
+                # so a burst would be refused although it fits.)
+                would_wait = self._unfinished_seqs + num_seqs - self.max_num_seqs
                 if would_wait > self.max_waiting:
                     raise QueueFullError(
                         f"the waiting queue is full ({self.max_waiting} sequences may wait beyond "
@@ -260,7 +253,7 @@ class AsyncLLMEngine:
                     )
             self._unfinished_seqs += num_seqs
 
-    def _release(self, stream: _RequestStream) -> None:
+    def _release(self, stream: RequestStream) -> None:
         with self._lock:
             self._unfinished_seqs -= stream.num_seqs
 
@@ -292,6 +285,8 @@ class AsyncLLMEngine:
                     outputs = self.engine.step()
                     self._dispatch(outputs)
                     self._stats = self._safe_stats() or self._stats
+                    if not outputs:  # a prefill chunk, or nothing schedulable: don't spin if it stays that way
+                        self._wakeup.wait(0.001)
                 else:
                     self._wakeup.wait(self._idle_poll_s)
         except BaseException as e:  # step() raised: every request in flight fails, new ones are refused
@@ -308,6 +303,9 @@ class AsyncLLMEngine:
             cmd = self._commands.popleft()
             did_any = True
             if isinstance(cmd, _AddCommand):
+                if not cmd.done.set_running_or_notify_cancel():  # the caller gave up waiting: don't add it
+                    self._release(cmd.stream)
+                    continue
                 try:
                     self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
                 except Exception as e:  # ValueError: bad input; the caller maps it to a 400
@@ -355,6 +353,7 @@ class AsyncLLMEngine:
             self._release(stream)
         self._streams.clear()
         for cmd in pending:
-            if isinstance(cmd, _AddCommand) and not cmd.done.done():
+            if isinstance(cmd, _AddCommand):
                 self._release(cmd.stream)
-                cmd.done.set_exception(error)
+                if cmd.done.set_running_or_notify_cancel():  # False: the caller already gave up
+                    cmd.done.set_exception(error)

@@ -125,10 +125,13 @@ def decode_attention_bench(dtype=torch.float16) -> list[dict]:
         q = torch.randn(batch, heads, d, dtype=dtype, device="cuda")
         nbytes = 2 * batch * ctx * kv_heads * d * 2
         res = {}
-        for splits in (None, 1, 2, 4, 8, 16):
-            calls = [lambda s=splits, c=c: paged_decode_attention(q, c, tables, seq_lens, d ** -0.5, num_splits=s)
-                     for c in caches]
-            res["auto" if splits is None else str(splits)] = graph_ms(calls) / layers
+        variants = {"auto": (None, None, False), "auto-fused": (None, None, True), "1": (1, None, False),
+                    "4": (4, None, False), "8": (8, None, False), "16": (16, None, False), "18": (18, 64, False),
+                    "24x32": (24, 32, False), "18-fused": (18, 64, True), "24x32-fused": (24, 32, True)}
+        for name, (splits, bn, fused) in variants.items():
+            calls = [lambda s=splits, b=bn, f=fused, c=c: paged_decode_attention(
+                q, c, tables, seq_lens, d ** -0.5, num_splits=s, block_n=b, fused_reduce=f) for c in caches]
+            res[name] = graph_ms(calls) / layers
         rows.append({"batch": batch, "heads": heads, "kv_heads": kv_heads, "ctx": ctx,
                      "us": {k: round(v * 1e3, 2) for k, v in res.items()},
                      "gbps_auto": nbytes / res["auto"] / 1e6, "gbps_best": nbytes / min(res.values()) / 1e6})

@@ -122,14 +122,19 @@ class GemvConfig:
 
 
 # Candidates timed by ``linear``. Keep this list short: each entry is one Triton compile per dtype at warm-up.
+# Chosen from a sweep of 23 configurations over Llama-2-7B's five projection shapes at M = 1, 2, 4, 8, 16
+# (``python -m rooflm.kernels.bench --sections gemv``, H200, docs/benchmarks.md): each entry below was the fastest,
+# or within 1% of it, for at least one shape.
 CANDIDATES: tuple[GemvConfig, ...] = (
-    GemvConfig(False, 16, 256, 1, 4, 3),
-    GemvConfig(False, 32, 256, 1, 8, 3),
-    GemvConfig(False, 16, 256, 4, 4, 3),
-    GemvConfig(True, 32, 128, 1, 4, 4),
-    GemvConfig(True, 64, 128, 1, 4, 4),
-    GemvConfig(True, 32, 256, 1, 4, 3),
-    GemvConfig(True, 32, 128, 4, 4, 4),
+    GemvConfig(False, 16, 256, 1, 4, 3),  # qkv
+    GemvConfig(False, 8, 512, 1, 4, 3),  # down, and close on every shape
+    GemvConfig(False, 4, 1024, 1, 4, 2),  # o (N = 4096: many small programs)
+    GemvConfig(False, 32, 256, 1, 8, 3),  # gate_up
+    GemvConfig(False, 16, 512, 1, 4, 2),  # lm_head
+    GemvConfig(True, 32, 128, 1, 4, 4),  # qkv, M >= 2
+    GemvConfig(True, 32, 128, 2, 4, 4),  # o and down, M >= 2 (split-K: more programs for N = 4096)
+    GemvConfig(True, 64, 128, 1, 4, 4),  # gate_up, M >= 2
+    GemvConfig(True, 64, 64, 1, 4, 6),  # lm_head, M >= 2
 )
 MAX_M = 16
 

@@ -19,12 +19,12 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rooflm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, _RequestStream
+from rooflm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
 from rooflm.outputs import CompletionOutput, RequestOutput
 from rooflm.sampling_params import SamplingParams
 from rooflm.server.errors import OpenAIError, bad_request, error_body, from_value_error
@@ -59,13 +59,19 @@ _DONE = "data: [DONE]\n\n"
 
 
 class _AbortingStreamingResponse(StreamingResponse):
-    """Closes its body generator however the response ends (finished, client gone, cancelled), so the generator's
-    cleanup — aborting the engine requests — runs now rather than whenever the garbage collector gets to it."""
+    """However the response ends (finished, client gone, cancelled, or never started), closes its body generator
+    and calls ``on_close`` (which aborts the engine requests still unfinished), now rather than whenever the garbage
+    collector gets to it."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self.on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            self.on_close()
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
@@ -99,6 +105,7 @@ class OpenAIServing:
         except Exception:
             self.tokenizer = engine.tokenizer
         self.vocab_size = self._vocab_size()
+        self.created = int(time.time())
         self._token_text: dict[int, str] = {}
 
     # ------------------------------------------------------------------------------------------------ facts
@@ -115,7 +122,7 @@ class OpenAIServing:
         return min(sizes) if sizes else 2**31
 
     def model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rooflm",
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "rooflm",
                 "root": self.model_name, "max_model_len": self.max_model_len}
 
     def check_model(self, model: str | None) -> None:
@@ -269,14 +276,13 @@ class OpenAIServing:
                          prompt_param="messages")
 
     # ------------------------------------------------------------------------------------------------ engine
-    async def _add_all(self, prep: _Prepared, response_id: str) -> list[_RequestStream]:
-        streams: list[_RequestStream] = []
+    async def _add_all(self, prep: _Prepared, response_id: str) -> list[RequestStream]:
+        streams: list[RequestStream] = []
         try:
             for i, (ids, params) in enumerate(zip(prep.prompts, prep.params)):
                 streams.append(await self.engine.add_request(ids, params, request_id=f"{response_id}-{i}"))
         except BaseException as e:
-            for s in streams:
-                self.engine.abort(s.request_id)
+            self._abort_all(streams)
             if isinstance(e, QueueFullError):
                 raise OpenAIError(503, str(e), code="queue_full", headers={"Retry-After": "1"}) from None
             if isinstance(e, EngineDeadError):
@@ -286,7 +292,12 @@ class OpenAIServing:
             raise
         return streams
 
-    async def _merge(self, streams: list[_RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    def _abort_all(self, streams: list[RequestStream]) -> None:
+        """Abort every request of ``streams`` still unfinished (a no-op for finished ones)."""
+        for stream in streams:
+            self.engine.abort(stream.request_id)
+
+    async def _merge(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yield (prompt index, cumulative output) from all streams until each has finished.
         Leaving early (close/cancel) aborts the unfinished ones."""
         if len(streams) == 1:  # the common case: no extra task
@@ -299,7 +310,7 @@ class OpenAIServing:
             return
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
 
-        async def pump(i: int, stream: _RequestStream) -> None:
+        async def pump(i: int, stream: RequestStream) -> None:
             gen = self.engine.iterate(stream)
             try:
                 async for out in gen:
@@ -310,20 +321,21 @@ class OpenAIServing:
                 await gen.aclose()
 
         tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-        remaining = len(tasks)
+        unfinished = set(range(len(streams)))
         try:
-            while remaining:
+            while unfinished:
                 i, item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 if item.finished:
-                    remaining -= 1
+                    unfinished.discard(i)
                 yield i, item
         finally:
             for t in tasks:
-                t.cancel()
+                t.cancel()  # a task cancelled before it ran never opened its iterator: abort explicitly too
+            self._abort_all([streams[i] for i in unfinished])
 
-    async def _collect(self, streams: list[_RequestStream], tracker: RequestTracker) -> list[RequestOutput]:
+    async def _collect(self, streams: list[RequestStream], tracker: RequestTracker) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(streams)
         merged = self._merge(streams)
         try:
@@ -350,7 +362,12 @@ class OpenAIServing:
         created = int(time.time())
         if prep.stream:
             gen = self._stream(prep, streams, tracker, response_id, created, chat)
-            return _AbortingStreamingResponse(gen, media_type="text/event-stream",
+
+            def on_close() -> None:
+                self._abort_all(streams)
+                tracker.finish(ABORTED)  # no-op when the stream already recorded its outcome
+
+            return _AbortingStreamingResponse(gen, on_close, media_type="text/event-stream",
                                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         task = asyncio.ensure_future(self._collect(streams, tracker))
         try:
@@ -360,10 +377,12 @@ class OpenAIServing:
                     break
                 if await request.is_disconnected():  # nobody will read the answer: free the engine
                     task.cancel()
+                    self._abort_all(streams)
                     tracker.finish(ABORTED)
                     return Response(status_code=499)
         except BaseException:
             task.cancel()
+            self._abort_all(streams)
             tracker.finish(ABORTED)
             raise
         try:
@@ -446,7 +465,7 @@ class OpenAIServing:
         return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": self._usage(prep, finals), "system_fingerprint": None}
 
-    async def _stream(self, prep: _Prepared, streams: list[_RequestStream], tracker: RequestTracker, rid: str,
+    async def _stream(self, prep: _Prepared, streams: list[RequestStream], tracker: RequestTracker, rid: str,
                       created: int, chat: bool) -> AsyncIterator[str]:
         """SSE body. Invariant: per choice, the concatenated deltas equal the non-streamed text, because the
         engine's cumulative text only grows and each delta is its new suffix."""

@@ -5,6 +5,7 @@ gaps cost as much as the memory traffic itself. A CUDA graph records the whole f
 replays it with one launch.
 
 How (the same recipe as vLLM's and gpt-fast's):
+- the LM head is captured with the layers: ``run`` leaves the step's float32 logits in ``self.logits``;
 - static input buffers sized for the largest bucket (token ids, positions, slots, query starts, context lengths and
   block tables up to ``max_model_len``); a step copies its real inputs into them, pads the rest of its bucket with
   harmless rows (token 0, slot -1 so no cache write, context length 0 so no attention read), replays and returns the
@@ -63,7 +64,8 @@ class DecodeGraphRunner:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.logits: torch.Tensor | None = None  # after run(): [num_seqs, vocab] float32 of that step
         self.pool = None
         self.sizes: list[int] = []
         self.capture_seconds = 0.0
@@ -81,8 +83,9 @@ class DecodeGraphRunner:
             seq_lens_cpu=[1] * bs,
         )
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        return self.model(self.input_ids[:bs], self.positions[:bs], self.kv_caches, self._meta(bs))
+    def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.kv_caches, self._meta(bs))
+        return hidden, self.model.compute_logits(hidden)  # the LM head rides in the graph too
 
     @torch.inference_mode()
     def capture(self, sizes: list[int]) -> None:
@@ -100,10 +103,10 @@ class DecodeGraphRunner:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = self._forward(bs)
+                hidden, logits = self._forward(bs)
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[bs] = (graph, out)
+            self.graphs[bs] = (graph, hidden, logits)
         torch.cuda.synchronize(self.device)
         self.sizes = sorted(self.graphs)
         self.seq_lens.zero_()
@@ -126,10 +129,11 @@ class DecodeGraphRunner:
         if bs > n:  # padding rows: no cache write, no attention read
             self.slot_mapping[n:bs].fill_(-1)
             self.seq_lens[n:bs].zero_()
-        graph, out = self.graphs[bs]
+        graph, hidden, logits = self.graphs[bs]
         graph.replay()
         self.replays += 1
-        return out[:n]
+        self.logits = logits[:n]
+        return hidden[:n]
 
 
 def capture_decode_graphs(runner, max_num_seqs: int) -> DecodeGraphRunner | None:

@@ -99,8 +99,10 @@ class ModelRunner:
         self._copy_blocks(out.blocks_to_copy)
         scheduled = out.scheduled
         ids, pos, meta = self._prepare(scheduled)
+        graph_logits = None
         if self.graph_runner is not None and self.graph_runner.can_run(meta):
             hidden = self.graph_runner.run(ids, pos, meta)
+            graph_logits = self.graph_runner.logits  # [num_seqs, vocab]: the LM head is in the graph too (issue 5)
         else:
             hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
 
@@ -111,10 +113,14 @@ class ModelRunner:
         sample_seqs = [(i, s) for i, s in enumerate(scheduled) if s.sample]
         if not sample_seqs:
             return results
-        last_idx = torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i, _ in sample_seqs], device=self.device)
-        logits = self.model.compute_logits(hidden[last_idx])  # [num_sampling_seqs, vocab] float32
-        reps = torch.tensor([len(s.generators) for _, s in sample_seqs], device=self.device)
-        if int(reps.max()) > 1:
+        if graph_logits is not None and len(sample_seqs) == len(scheduled):
+            logits = graph_logits  # a decode step: one row per sequence, every sequence samples
+        else:
+            last_idx = torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i, _ in sample_seqs],
+                                    device=self.device)
+            logits = self.model.compute_logits(hidden[last_idx])  # [num_sampling_seqs, vocab] float32
+        if any(len(s.generators) > 1 for _, s in sample_seqs):  # decided on the host: no device sync (issue 5)
+            reps = torch.tensor([len(s.generators) for _, s in sample_seqs], device=self.device)
             logits = logits.repeat_interleave(reps, dim=0)
         rows = [(s, r) for _, s in sample_seqs for r in range(len(s.generators))]
         md = SamplingMetadata.from_params(
