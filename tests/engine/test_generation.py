@@ -211,3 +211,20 @@ def test_engine_config_errors_name_field():
         EngineConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="unknown option"):
         LLM(model=None, temprature=0.5)
+
+
+def test_repetition_penalty_equals_transformers(make_engine, smol, hf_model):
+    """The penalty reads the prompt and the tokens generated so far, as transformers' greedy search does."""
+    tok = smol[2]
+    engine = make_engine()
+    prompt = "one two three one two three one two three one"
+    n_new = 12
+    got = tokens(run(engine, [prompt], SamplingParams(temperature=0, max_tokens=n_new, min_tokens=n_new,
+                                                      repetition_penalty=1.5)))[0]
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    with torch.no_grad():
+        ref = hf_model.generate(ids, do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new,
+                                repetition_penalty=1.5)
+    assert got == ref[0, ids.shape[1]:].tolist()
+    plain = tokens(run(engine, [prompt], SamplingParams(temperature=0, max_tokens=n_new, min_tokens=n_new)))[0]
+    assert plain != got  # the penalty changed something

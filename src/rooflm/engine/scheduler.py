@@ -160,6 +160,8 @@ class Scheduler:
         if sample and seq.index == 0:
             rows += [s for s in seq.request.seqs if s.status is SeqStatus.WAITING_FOR_FORK]
         want_prompt_lp = params.prompt_logprobs is not None and start < seq.num_prompt_tokens
+        penalties = sample and (params.repetition_penalty != 1 or params.presence_penalty != 0
+                                or params.frequency_penalty != 0)
         ban: list[int] = []
         if sample and seq.num_output_tokens < params.min_tokens:
             ban = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
@@ -172,8 +174,9 @@ class Scheduler:
             sample=sample,
             params=params,
             generators=[r.generator for r in rows] if sample else [],
-            output_token_ids=[r.output_token_ids for r in rows] if sample else [],
-            prompt_token_ids=seq.all_token_ids[: seq.num_prompt_tokens] if sample or want_prompt_lp else [],
+            # Token histories only where penalties read them: copying them each step costs host time.
+            output_token_ids=[r.output_token_ids if penalties else [] for r in rows] if sample else [],
+            prompt_token_ids=seq.all_token_ids[: seq.num_prompt_tokens] if penalties or want_prompt_lp else [],
             ban_token_ids=ban,
             prompt_logprobs=want_prompt_lp,
         )

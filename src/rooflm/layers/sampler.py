@@ -105,17 +105,25 @@ class SamplingMetadata:
                     row.append(eos_token_id)
             banned.append(row)
 
-        def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
+        # One [7, N] host tensor and one copy to the device, not seven (each copy from pageable memory stalls).
+        table = torch.tensor(
+            [[0.0 if g else float(p.temperature) for p, g in zip(params, greedy)],
+             [float(p.top_k) for p in params],  # exact in float32: top_k <= vocab size < 2**24
+             [float(p.top_p) for p in params],
+             [float(p.min_p) for p in params],
+             [float(p.repetition_penalty) for p in params],
+             [float(p.presence_penalty) for p in params],
+             [float(p.frequency_penalty) for p in params]],
+            dtype=torch.float32,
+        ).to(device, non_blocking=True)
         return cls(
-            temperature=f32([0.0 if g else float(p.temperature) for p, g in zip(params, greedy)]),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            top_p=f32([float(p.top_p) for p in params]),
-            min_p=f32([float(p.min_p) for p in params]),
-            repetition_penalty=f32([float(p.repetition_penalty) for p in params]),
-            presence_penalty=f32([float(p.presence_penalty) for p in params]),
-            frequency_penalty=f32([float(p.frequency_penalty) for p in params]),
+            temperature=table[0],
+            top_k=table[1].to(torch.int64),
+            top_p=table[2],
+            min_p=table[3],
+            repetition_penalty=table[4],
+            presence_penalty=table[5],
+            frequency_penalty=table[6],
             output_token_ids=[list(o) for o in output_token_ids],
             prompt_token_ids=[list(p) for p in prompt_token_ids],
             generators=list(generators),

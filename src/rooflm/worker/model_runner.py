@@ -47,6 +47,7 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(model_config.num_hidden_layers)]
         self.sampler = Sampler()
+        self._pin = device.type == "cuda"  # pinned host buffers for the per-step inputs
         self.num_block_copies = 0  # copy-on-write copies done (n > 1 samples sharing a partly filled block)
         self.graph_runner = None  # set by the CUDA-graph capture for decode steps (worker/cuda_graphs.py)
 
@@ -69,19 +70,23 @@ class ModelRunner:
             starts.append(starts[-1] + s.num_new_tokens)
             seq_lens.append(end)
             tables.append(table + [0] * (max_blocks - len(table)))
-        dev = self.device
+        # One host buffer, one host-to-device copy (pinned on CUDA, so it does not stall the host):
+        # [input_ids | positions | slot_mapping | query_start_loc | seq_lens | block_tables (row-major)]
+        n_tok, n_seq = len(input_ids), len(scheduled)
+        host = torch.tensor(input_ids + positions + slots + starts + seq_lens + [b for t in tables for b in t],
+                            dtype=torch.int64, pin_memory=self._pin)
+        flat = host.to(self.device, non_blocking=True)
+        ids, pos, slot_mapping, qsl, lens, tbl = flat.split([n_tok, n_tok, n_tok, n_seq + 1, n_seq, n_seq * max_blocks])
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=torch.tensor(tables, dtype=torch.int32).to(dev, non_blocking=True),
+            slot_mapping=slot_mapping,
+            query_start_loc=qsl.to(torch.int32),
+            seq_lens=lens.to(torch.int32),
+            block_tables=tbl.view(n_seq, max_blocks).to(torch.int32),
             max_query_len=max(s.num_new_tokens for s in scheduled),
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
         return ids, pos, meta
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
