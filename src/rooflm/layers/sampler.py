@@ -115,6 +115,7 @@ class SamplingMetadata:
              [float(p.presence_penalty) for p in params],
              [float(p.frequency_penalty) for p in params]],
             dtype=torch.float32,
+            pin_memory=torch.device(device).type == "cuda",
         ).to(device, non_blocking=True)
         return cls(
             temperature=table[0],
