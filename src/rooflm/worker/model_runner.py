@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -54,27 +55,34 @@ class ModelRunner:
     # -- inputs -----------------------------------------------------------------------------------------------------
     def _prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
+        n_seq = len(scheduled)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         starts = [0]
         seq_lens: list[int] = []
         max_blocks = max(len(s.block_ids) for s in scheduled)
-        tables = []
-        for s in scheduled:
-            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            input_ids.extend(s.token_ids)
-            positions.extend(range(start, end))
-            table = s.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            starts.append(starts[-1] + s.num_new_tokens)
+        tables = np.zeros((n_seq, max_blocks), dtype=np.int64)  # padded with block 0
+        for i, s in enumerate(scheduled):
+            start, table = s.num_computed_tokens, s.block_ids
+            end = start + s.num_new_tokens
+            input_ids += s.token_ids
+            if end - start == 1:  # a decode: the common case, kept cheap
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                positions += range(start, end)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            starts.append(starts[-1] + end - start)
             seq_lens.append(end)
-            tables.append(table + [0] * (max_blocks - len(table)))
+            tables[i, : len(table)] = table
         # One host buffer, one host-to-device copy (pinned on CUDA, so it does not stall the host):
         # [input_ids | positions | slot_mapping | query_start_loc | seq_lens | block_tables (row-major)]
-        n_tok, n_seq = len(input_ids), len(scheduled)
-        host = torch.tensor(input_ids + positions + slots + starts + seq_lens + [b for t in tables for b in t],
-                            dtype=torch.int64, pin_memory=self._pin)
+        n_tok = len(input_ids)
+        host = torch.from_numpy(np.concatenate(
+            [np.array(input_ids + positions + slots + starts + seq_lens, dtype=np.int64), tables.ravel()]))
+        if self._pin:
+            host = host.pin_memory()
         flat = host.to(self.device, non_blocking=True)
         ids, pos, slot_mapping, qsl, lens, tbl = flat.split([n_tok, n_tok, n_tok, n_seq + 1, n_seq, n_seq * max_blocks])
         meta = AttentionMetadata(
