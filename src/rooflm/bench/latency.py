@@ -52,40 +52,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # Shared with bench/throughput.py
 # ---------------------------------------------------------------------------------------------------------------------
 def measure_ceilings(device, dtype) -> dict:
-    """Copy bandwidth (bytes read + written per second) and dense matmul rate, measured here with CUDA events."""
+    """This machine's roofs, measured in this process (``rooflm.roofline.measure``): copy bandwidth (bytes read +
+    written per second) of a 1 GiB copy and the dense matmul rate in the run's dtype (fp16 for float32 runs on a GPU)."""
     import torch
 
+    from rooflm.roofline.measure import measure_bandwidth, measure_matmul_peak
+
+    dev = str(device)
     if device.type != "cuda":
-        from rooflm.roofline.measure import measure_bandwidth, measure_matmul_peak
-
-        key, peak = measure_matmul_peak("cpu")
-        return {"device": "cpu", "copy_gbps": measure_bandwidth("cpu") / 1e9, "matmul_tflops": peak / 1e12}
-
-    def timed(fn, reps):
-        fn()
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            best = min(best, s.elapsed_time(e) / 1e3)
-        return best
-
-    n = 1 << 29  # 1 GiB in fp16
-    a = torch.empty(n, dtype=torch.float16, device=device).normal_()
-    b = torch.empty_like(a)
-    copy_gbps = 2 * 2 * n / timed(lambda: b.copy_(a), 10) / 1e9
-    del a, b
+        _, peak = measure_matmul_peak(dev)
+        return {"device": "cpu", "copy_gbps": measure_bandwidth(dev) / 1e9, "matmul_tflops": peak / 1e12}
+    copy_gbps = measure_bandwidth(dev, nbytes=2**30, reps=10) / 1e9
     mm_dtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
-    x = torch.randn(8192, 8192, dtype=mm_dtype, device=device)
-    y = torch.randn(8192, 8192, dtype=mm_dtype, device=device)
-    tflops = 2 * 8192**3 / timed(lambda: x @ y, 10) / 1e12
-    del x, y
+    _, peak = measure_matmul_peak(dev, n=8192, reps=10, dtype=mm_dtype)
     torch.cuda.empty_cache()
-    return {"device": torch.cuda.get_device_name(device), "copy_gbps": copy_gbps, "matmul_tflops": tflops,
+    return {"device": torch.cuda.get_device_name(device), "copy_gbps": copy_gbps, "matmul_tflops": peak / 1e12,
             "matmul_dtype": str(mm_dtype).removeprefix("torch.")}
 
 

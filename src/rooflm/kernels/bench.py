@@ -33,21 +33,18 @@ def _events_ms(fn, reps: int = 20, warmup: int = 3) -> float:
 
 
 def ceilings() -> dict:
+    from rooflm.roofline.measure import measure_bandwidth, measure_matmul_peak
+
     dev = torch.cuda.get_device_properties(0)
-    n = 1 << 29  # 1 GiB of fp16
-    a = torch.empty(n, dtype=torch.float16, device="cuda").normal_()
-    b = torch.empty_like(a)
-    copy_ms = _events_ms(lambda: b.copy_(a))
     big = torch.empty(1 << 30, dtype=torch.float16, device="cuda").normal_()  # 2 GiB
     read_ms = _events_ms(lambda: big.sum(dtype=torch.float32))
-    del a, b, big
+    del big
     out = {"device": dev.name, "sms": dev.multi_processor_count, "l2_mb": getattr(dev, "L2_cache_size", 0) / 2**20,
-           "copy_gbps": 2 * 2 * n / copy_ms / 1e6, "read_gbps": 2 * (1 << 30) / read_ms / 1e6}
+           "copy_gbps": measure_bandwidth("cuda", nbytes=2**30, reps=20) / 1e9,  # bytes read + written
+           "read_gbps": 2 * (1 << 30) / read_ms / 1e6}
     for dt in (torch.float16, torch.bfloat16):
-        x = torch.randn(8192, 8192, dtype=dt, device="cuda")
-        y = torch.randn(8192, 8192, dtype=dt, device="cuda")
-        ms = _events_ms(lambda: x @ y, reps=10)
-        out[f"matmul_{str(dt)[6:]}_tflops"] = 2 * 8192**3 / ms / 1e9
+        key, peak = measure_matmul_peak("cuda", n=8192, reps=10, dtype=dt)
+        out[f"matmul_{str(dt)[6:]}_tflops"] = peak / 1e12
     torch.cuda.empty_cache()
     return out
 

@@ -9,15 +9,28 @@ from typing import Callable
 from rooflm.roofline.hardware import GB, GIB, Hardware
 
 
-def _best_time(fn: Callable[[], None], sync: Callable[[], None], reps: int) -> float:
+def _best_time(fn: Callable[[], None], device: str, reps: int) -> float:
+    """Seconds of the fastest of ``reps`` runs of ``fn`` after one warm-up: CUDA events on a GPU (no host timing
+    noise), ``perf_counter`` on the CPU."""
+    import torch
+
     fn()  # warm-up
-    sync()
+    if not device.startswith("cuda"):
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        return best
+    torch.cuda.synchronize(device)
     best = float("inf")
     for _ in range(reps):
-        t0 = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
     return best
 
 
@@ -25,23 +38,25 @@ def measure_bandwidth(device: str = "cpu", nbytes: int = 256 * 2**20, reps: int 
     """Bytes/s of ``dst.copy_(src)`` on ``device``: 2·nbytes moved per copy (one read, one write)."""
     import torch
 
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _best_time(lambda: dst.copy_(src), sync, reps)
+    return 2 * nbytes / _best_time(lambda: dst.copy_(src), device, reps)
 
 
-def measure_matmul_peak(device: str = "cpu", n: int | None = None, reps: int = 3) -> tuple[str, float]:
-    """(dtype key, OPs/s) of an n×n×n matmul: 2·n³ OPs."""
+_KEYS = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+
+def measure_matmul_peak(device: str = "cpu", n: int | None = None, reps: int = 3,
+                        dtype: "torch.dtype | None" = None) -> tuple[str, float]:
+    """(dtype key, OPs/s) of an n×n×n matmul: 2·n³ OPs. Default dtype: fp16 on CUDA, fp32 on the CPU."""
     import torch
 
     cuda = device.startswith("cuda")
-    dtype, key = (torch.float16, "fp16") if cuda else (torch.float32, "fp32")
+    dtype = dtype or (torch.float16 if cuda else torch.float32)
     n = n or (8192 if cuda else 1024)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
-    return key, 2 * n**3 / _best_time(lambda: torch.mm(a, b), sync, reps)
+    return _KEYS[str(dtype).removeprefix("torch.")], 2 * n**3 / _best_time(lambda: torch.mm(a, b), device, reps)
 
 
 def measure_hardware() -> Hardware:
