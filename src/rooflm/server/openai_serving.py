@@ -8,34 +8,30 @@ Flow of one /v1/completions or /v1/chat/completions request:
 4. gather the finished outputs, or stream deltas of the cumulative outputs as server-sent events ending with
    ``data: [DONE]``. A client that goes away (stream closed, or non-streaming connection dropped) aborts its
    engine requests, which frees their KV blocks.
+
+Steps 1-2 live in ``openai_prepare`` (the ``_RequestPreparation`` mixin), the SSE plumbing in ``openai_sse``;
+this module holds ``OpenAIServing``: engine hand-off, the endpoints, response rendering and streaming.
 """
 from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from rooflm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
 from rooflm.outputs import CompletionOutput, RequestOutput
-from rooflm.sampling_params import SamplingParams
 from rooflm.server.errors import OpenAIError, bad_request, error_body, from_value_error
 from rooflm.server.metrics import ABORTED, ERROR, SUCCESS, RequestTracker, ServerMetrics
-from rooflm.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    SamplingRequest,
-    TokenizeRequest,
-)
+from rooflm.server.openai_prepare import _Prepared, _RequestPreparation
+from rooflm.server.openai_sse import _DONE, _AbortingStreamingResponse, _sse
+from rooflm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger(__name__)
 
@@ -51,48 +47,7 @@ def _finite(x: float | None) -> float | None:
     return 0.0 if x == math.inf else float(x)
 
 
-def _sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-_DONE = "data: [DONE]\n\n"
-
-
-class _AbortingStreamingResponse(StreamingResponse):
-    """However the response ends (finished, client gone, cancelled, or never started), closes its body generator
-    and calls ``on_close`` (which aborts the engine requests still unfinished), now rather than whenever the garbage
-    collector gets to it."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kw: Any) -> None:
-        super().__init__(content, **kw)
-        self.on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-
-@dataclass
-class _Prepared:
-    """A validated generation request, ready for the engine."""
-
-    prompts: list[list[int]]  # token ids, one engine request each
-    prompt_texts: list[str]  # for echo
-    params: list[SamplingParams]  # per prompt (max_tokens depends on the prompt's length)
-    n: int
-    stream: bool
-    include_usage: bool
-    logprobs: int | None  # top-k to report; None: no logprobs
-    echo: bool = False
-    prompt_param: str = "prompt"  # the field an engine-side ValueError about the prompt names
-
-
-class OpenAIServing:
+class OpenAIServing(_RequestPreparation):
     def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.model_name = model_name
@@ -125,16 +80,6 @@ class OpenAIServing:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "rooflm",
                 "root": self.model_name, "max_model_len": self.max_model_len}
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                              param="model", code="model_not_found")
-
-    def _require_tokenizer(self) -> Any:
-        if self.tokenizer is None:
-            raise bad_request("the served model has no tokenizer: send token ids", param="prompt")
-        return self.tokenizer
-
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
@@ -142,138 +87,6 @@ class OpenAIServing:
             if len(self._token_text) < 200_000:
                 self._token_text[token_id] = text
         return text
-
-    # ------------------------------------------------------------------------------------------------ validation
-    def _check_ids(self, ids: Sequence[int], param: str) -> None:
-        bad = next((t for t in ids if t >= self.vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is out of the vocabulary (ids are in [0, {self.vocab_size}))",
-                              param=param)
-
-    def _max_tokens(self, prompt_len: int, requested: int | None, default: int | None, prompt_param: str,
-                    tokens_param: str) -> int:
-        """Resolve max_tokens so that prompt + output fits ``max_model_len``; 400 stating the limit otherwise."""
-        limit = self.max_model_len
-        if prompt_len >= limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens, but the prompt has {prompt_len} tokens: "
-                f"shorten it to at most {limit - 1} tokens.", param=prompt_param, code="context_length_exceeded")
-        room = limit - prompt_len
-        if requested is None:
-            return room if default is None else min(default, room)
-        if requested > room:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len} tokens and "
-                f"{tokens_param}={requested} asks for {requested} more ({prompt_len + requested} > {limit}): "
-                f"ask for at most {room}.", param=tokens_param, code="context_length_exceeded")
-        return requested
-
-    def _common_checks(self, body: SamplingRequest) -> int:
-        self.check_model(body.model)
-        n = body.n or 1
-        if n > self.engine.max_num_seqs:
-            raise bad_request(f"n={n} exceeds the {self.engine.max_num_seqs} sequences the server runs at once",
-                              param="n")
-        if body.logit_bias:
-            raise bad_request("logit_bias is not supported", param="logit_bias")
-        if body.stream_options is not None and not body.stream:
-            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-        return n
-
-    def _sampling_params(self, body: SamplingRequest, n: int, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        top_k = body.top_k or 0
-        if top_k >= self.vocab_size:  # the whole vocabulary: the same as no top-k
-            top_k = 0
-        try:
-            return SamplingParams(
-                n=n,
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=top_k,
-                min_p=body.min_p or 0.0,
-                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-                presence_penalty=body.presence_penalty or 0.0,
-                frequency_penalty=body.frequency_penalty or 0.0,
-                seed=body.seed,
-                max_tokens=max_tokens,
-                min_tokens=body.min_tokens or 0,
-                stop=body.stop,
-                stop_token_ids=body.stop_token_ids,
-                ignore_eos=bool(body.ignore_eos),
-                include_stop_str_in_output=bool(body.include_stop_str_in_output),
-                logprobs=logprobs,
-                skip_special_tokens=body.skip_special_tokens is not False,
-            )
-        except ValueError as e:
-            raise from_value_error(e, None) from None
-
-    def prepare_completion(self, body: CompletionRequest) -> _Prepared:
-        n = self._common_checks(body)
-        if body.best_of is not None and body.best_of != n:
-            raise bad_request(f"best_of={body.best_of} is not supported: only best_of == n ({n})", param="best_of")
-        if body.suffix:
-            raise bad_request("suffix is not supported", param="suffix")
-        if body.echo and body.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported", param="echo")
-        raw = body.prompt
-        items: list[str | list[int]]
-        if isinstance(raw, str):
-            items = [raw]
-        elif raw and isinstance(raw[0], int):
-            items = [list(raw)]  # type: ignore[arg-type]
-        else:
-            items = list(raw)  # type: ignore[arg-type]
-        prompts, texts, params = [], [], []
-        for item in items:
-            if isinstance(item, str):
-                ids = list(self._require_tokenizer().encode(item))
-                text = item
-            else:
-                self._check_ids(item, "prompt")
-                ids = list(item)
-                text = self.tokenizer.decode(ids) if (body.echo and self.tokenizer is not None) else ""
-            if not ids:
-                raise bad_request("the prompt is empty after tokenization", param="prompt")
-            max_tokens = self._max_tokens(len(ids), body.max_tokens, 16, "prompt", "max_tokens")
-            params.append(self._sampling_params(body, n, max_tokens, body.logprobs))
-            prompts.append(ids)
-            texts.append(text)
-        return _Prepared(prompts, texts, params, n, bool(body.stream),
-                         bool(body.stream_options and body.stream_options.include_usage), body.logprobs,
-                         echo=bool(body.echo))
-
-    def render_chat(self, messages: list[Any], add_generation_prompt: bool) -> list[int]:
-        tok = self._require_tokenizer()
-        plain = []
-        for m in messages:
-            d: dict[str, Any] = {"role": m.role, "content": m.text()}
-            if m.name:
-                d["name"] = m.name
-            plain.append(d)
-        try:
-            text = tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
-        except Exception as e:  # jinja errors: the template refuses this conversation
-            raise bad_request(f"the model's chat template cannot render these messages: {e}", param="messages")
-        if not isinstance(text, str):
-            raise bad_request("the model's chat template did not produce text", param="messages")
-        return list(tok.encode(text, add_special_tokens=False))
-
-    def prepare_chat(self, body: ChatCompletionRequest) -> _Prepared:
-        n = self._common_checks(body)
-        if body.top_logprobs is not None and not body.logprobs:
-            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-        ids = self.render_chat(body.messages, body.add_generation_prompt is not False)
-        if not ids:
-            raise bad_request("the messages render to an empty prompt", param="messages")
-        requested, param = body.max_completion_tokens, "max_completion_tokens"
-        if requested is None:
-            requested, param = body.max_tokens, "max_tokens"
-        max_tokens = self._max_tokens(len(ids), requested, None, "messages", param)
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._sampling_params(body, n, max_tokens, logprobs)
-        return _Prepared([ids], [""], [params], n, bool(body.stream),
-                         bool(body.stream_options and body.stream_options.include_usage), logprobs,
-                         prompt_param="messages")
 
     # ------------------------------------------------------------------------------------------------ engine
     async def _add_all(self, prep: _Prepared, response_id: str) -> list[RequestStream]:
