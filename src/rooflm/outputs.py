@@ -5,7 +5,7 @@ always the chosen (or actual) token. ``prompt_logprobs[0]`` is ``None`` (the fir
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 Logprobs = list[dict[int, float]]
 PromptLogprobs = list[dict[int, float] | None]

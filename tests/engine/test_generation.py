@@ -2,7 +2,6 @@
 stop conditions, logprobs, streaming and bad input."""
 from __future__ import annotations
 
-import math
 import os
 
 import pytest

@@ -15,7 +15,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import API_KEY, REAL_MAX_MODEL_LEN, SMALL_MAX_MODEL_LEN, ServerProcess
+from server_helpers import API_KEY, REAL_MAX_MODEL_LEN, ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,6 @@
 tokens, stop strings across token boundaries, and streaming deltas that are never retracted."""
 from __future__ import annotations
 
-import importlib.metadata
 import os
 
 import pytest

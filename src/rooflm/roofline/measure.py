@@ -4,9 +4,12 @@ well under a few seconds. Bandwidth: a large tensor copy (reads n bytes + writes
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from rooflm.roofline.hardware import GB, GIB, Hardware
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _best_time(fn: Callable[[], None], device: str, reps: int) -> float:
@@ -47,7 +50,7 @@ _KEYS = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 
 def measure_matmul_peak(device: str = "cpu", n: int | None = None, reps: int = 3,
-                        dtype: "torch.dtype | None" = None) -> tuple[str, float]:
+                        dtype: torch.dtype | None = None) -> tuple[str, float]:
     """(dtype key, OPs/s) of an n×n×n matmul: 2·n³ OPs. Default dtype: fp16 on CUDA, fp32 on the CPU."""
     import torch
 

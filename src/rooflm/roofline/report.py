@@ -57,7 +57,7 @@ def stage_table(s: StageResult, layers: int) -> str:
     head = (f"{s.stage.capitalize()}: batch {s.batch}, "
             + (f"{s.q_len} prompt tokens" if s.stage == "prefill" else f"1 token attending to {s.context}"))
     rows = [_row(r.name, r) for r in s.layers if r.scope == "block"]
-    rows.append([f"-- model level (once) --", *[""] * 9])
+    rows.append(["-- model level (once) --", *[""] * 9])
     rows += [_row(r.name, r) for r in s.layers if r.scope == "model"]
     rows.append([f"total ({layers} blocks + model)", *_row("", s.totals)[1:]])
     note = (f"  per-block rows are one transformer block (x{layers}); weights/act/KV = bytes loaded+stored "
