@@ -38,7 +38,7 @@ def ceilings() -> dict:
     dev = torch.cuda.get_device_properties(0)
     big = torch.empty(1 << 30, dtype=torch.float16, device="cuda").normal_()  # 2 GiB
     read_ms = _events_ms(lambda: big.sum(dtype=torch.float32))
-    del big
+    big = None  # frees the 2 GiB
     out = {"device": dev.name, "sms": dev.multi_processor_count, "l2_mb": getattr(dev, "L2_cache_size", 0) / 2**20,
            "copy_gbps": measure_bandwidth("cuda", nbytes=2**30, reps=20) / 1e9,  # bytes read + written
            "read_gbps": 2 * (1 << 30) / read_ms / 1e6}
@@ -305,7 +305,7 @@ def synthetic_decode(batches=(1, 32), ctx: int = 1088) -> list[dict]:
                          "gbps": nbytes / step_ms / 1e6, "bytes": nbytes,
                          "parts_ms": {k: round(v, 3) for k, v in parts.items()}})
             del g
-        del model
+        model = None  # frees its weights before the next batch
         torch.cuda.empty_cache()
     return rows
 
