@@ -205,12 +205,12 @@ def test_property_stop_strings_and_streaming(text, stops, include):
 
 def test_check_stop_reasons_and_order():
     p = SamplingParams(max_tokens=5, stop_token_ids=[7], min_tokens=1)
-    assert check_stop(3, 1, p, eos_token_id=2) is None
-    assert check_stop(2, 1, p, eos_token_id=2) is None  # EOS before min_tokens is satisfied: go on
-    assert check_stop(2, 2, p, eos_token_id=2) == ("stop", None)
-    assert check_stop(7, 2, p, eos_token_id=2) == ("stop", 7)
-    assert check_stop(3, 2, p, eos_token_id=2, stop_string="###") == ("stop", "###")
-    assert check_stop(3, 5, p, eos_token_id=2) == ("length", None)
-    assert check_stop(3, 3, p, eos_token_id=2, num_tokens=100, max_model_len=100) == ("length", None)
-    assert check_stop(2, 2, p.clone(ignore_eos=True), eos_token_id=2) is None
-    assert is_stop_token(2, 2, p, 2) and is_stop_token(7, 2, p, 2) and not is_stop_token(7, 1, p, 2)
+    assert check_stop(3, 1, p, eos_token_ids={2}) is None
+    assert check_stop(2, 1, p, eos_token_ids={2}) is None  # EOS before min_tokens is satisfied: go on
+    assert check_stop(2, 2, p, eos_token_ids={2}) == ("stop", None)
+    assert check_stop(7, 2, p, eos_token_ids={2}) == ("stop", 7)
+    assert check_stop(3, 2, p, eos_token_ids={2}, stop_string="###") == ("stop", "###")
+    assert check_stop(3, 5, p, eos_token_ids={2}) == ("length", None)
+    assert check_stop(3, 3, p, eos_token_ids={2}, num_tokens=100, max_model_len=100) == ("length", None)
+    assert check_stop(2, 2, p.clone(ignore_eos=True), eos_token_ids={2}) is None
+    assert is_stop_token(2, 2, p, {2}) and is_stop_token(7, 2, p, {2}) and not is_stop_token(7, 1, p, {2})

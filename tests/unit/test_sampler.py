@@ -18,6 +18,7 @@ from rooflm.layers.sampler import (
     logprobs_to_dicts,
     make_generator,
 )
+from rooflm.engine.stop_checker import banned_token_ids
 from rooflm.sampling_params import SamplingParams
 
 sampler = Sampler()
@@ -31,7 +32,8 @@ def md_for(params: list[SamplingParams], generators=None, outputs=None, prompts=
         prompts if prompts is not None else [[] for _ in range(n)],
         generators if generators is not None else [None] * n,
         device="cpu",
-        eos_token_id=eos,
+        banned_token_ids=None if eos is None else [
+            banned_token_ids(len(o), p, {eos}) for p, o in zip(params, outputs or [[]] * n)],
     )
 
 

@@ -15,6 +15,7 @@ from rooflm.config import EngineConfig, ModelConfig, SchedulerConfig
 from rooflm.engine.scheduler import Scheduler
 from rooflm.engine.sequence import Request, Sequence
 from rooflm.engine.stats import EngineStats
+from rooflm.engine.stop_checker import check_stop, is_stop_token
 from rooflm.kv_cache import KVCacheManager
 from rooflm.logger import get_logger
 from rooflm.outputs import RequestMetrics, RequestOutput
@@ -223,24 +224,15 @@ class LLMEngine:
         return outputs
 
     def _check_stop(self, seq: Sequence) -> None:
-        p = seq.params
-        token = seq.all_token_ids[-1]
-        n_out = seq.num_output_tokens
-        may_stop = n_out >= p.min_tokens
-        is_eos = may_stop and not p.ignore_eos and token in self.eos_token_ids
-        is_stop_token = may_stop and token in p.stop_token_ids
+        p, token, n_out = seq.params, seq.all_token_ids[-1], seq.num_output_tokens
         stop_str = None
         if seq.detokenizer is not None:
-            stop_str = seq.detokenizer.append(token, is_stop_token=is_eos or is_stop_token)
+            ends_on_token = is_stop_token(token, n_out, p, self.eos_token_ids)
+            stop_str = seq.detokenizer.append(token, is_stop_token=ends_on_token)
             seq.text += seq.detokenizer.get_delta()
-        if is_eos:
-            self._finish(seq, "stop", None)
-        elif is_stop_token:
-            self._finish(seq, "stop", token)
-        elif stop_str is not None:
-            self._finish(seq, "stop", stop_str)
-        elif (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
-            self._finish(seq, "length", None)
+        reason = check_stop(token, n_out, p, self.eos_token_ids, stop_str, seq.num_tokens, self.max_model_len)
+        if reason is not None:
+            self._finish(seq, *reason)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
         if seq.detokenizer is not None:

@@ -18,6 +18,7 @@ from collections import deque
 from rooflm.config import SchedulerConfig
 from rooflm.engine.sched_output import ScheduledSeq, SchedulerOutput
 from rooflm.engine.sequence import Request, Sequence, SeqStatus
+from rooflm.engine.stop_checker import banned_token_ids
 from rooflm.kv_cache import KVCacheManager
 
 
@@ -162,9 +163,7 @@ class Scheduler:
         want_prompt_lp = params.prompt_logprobs is not None and start < seq.num_prompt_tokens
         penalties = sample and (params.repetition_penalty != 1 or params.presence_penalty != 0
                                 or params.frequency_penalty != 0)
-        ban: list[int] = []
-        if sample and seq.num_output_tokens < params.min_tokens:
-            ban = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
+        ban = banned_token_ids(seq.num_output_tokens, params, self.eos_token_ids) if sample else []
         return ScheduledSeq(
             seq_id=seq.seq_id,
             request_id=seq.request.request_id,

@@ -1,8 +1,11 @@
-"""When does a sequence stop? One pure function, in vLLM's order and with its finish reasons.
+"""When does a sequence stop? Pure functions, in vLLM's order and with its finish reasons; the engine and the
+scheduler both ask here, so the rules live in one place.
 
 Stop strings are found by the IncrementalDetokenizer (its ``append`` returns the stop string); pass that result in.
 """
 from __future__ import annotations
+
+from collections.abc import Collection
 
 from rooflm.sampling_params import SamplingParams
 
@@ -10,12 +13,21 @@ FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 
 
-def is_stop_token(token_id: int, num_output_tokens: int, params: SamplingParams, eos_token_id: int | None) -> bool:
+def banned_token_ids(num_output_tokens: int, params: SamplingParams, eos_token_ids: Collection[int]) -> list[int]:
+    """Ids the sampler must not pick as the next token: EOS (unless ``ignore_eos``) and ``stop_token_ids`` while
+    fewer than ``min_tokens`` tokens have been generated (``num_output_tokens`` so far, before this one)."""
+    if num_output_tokens >= params.min_tokens:
+        return []
+    return sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids)))
+
+
+def is_stop_token(token_id: int, num_output_tokens: int, params: SamplingParams,
+                  eos_token_ids: Collection[int]) -> bool:
     """Whether ``token_id`` (the ``num_output_tokens``-th generated token, counting it) ends the sequence as EOS or
     one of ``stop_token_ids``. Before ``min_tokens`` tokens exist these cannot end it (the sampler bans them)."""
     if num_output_tokens <= params.min_tokens:
         return False
-    if eos_token_id is not None and token_id == eos_token_id and not params.ignore_eos:
+    if token_id in eos_token_ids and not params.ignore_eos:
         return True
     return token_id in params.stop_token_ids
 
@@ -24,7 +36,7 @@ def check_stop(
     token_id: int,
     num_output_tokens: int,
     params: SamplingParams,
-    eos_token_id: int | None,
+    eos_token_ids: Collection[int],
     stop_string: str | None = None,
     num_tokens: int | None = None,
     max_model_len: int | None = None,
@@ -37,7 +49,7 @@ def check_stop(
     - ``max_tokens`` reached, or ``max_model_len`` reached: ``("length", None)``.
     """
     if num_output_tokens > params.min_tokens:
-        if eos_token_id is not None and token_id == eos_token_id and not params.ignore_eos:
+        if token_id in eos_token_ids and not params.ignore_eos:
             return FINISH_STOP, None
         if token_id in params.stop_token_ids:
             return FINISH_STOP, token_id

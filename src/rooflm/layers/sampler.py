@@ -85,10 +85,10 @@ class SamplingMetadata:
         prompt_token_ids: Sequence[Sequence[int]],
         generators: Sequence[torch.Generator | None],
         device: torch.device | str,
-        eos_token_id: int | None = None,
+        banned_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> "SamplingMetadata":
-        """Build the metadata of one step. ``eos_token_id`` (optional) is banned, with ``stop_token_ids``, for rows
-        that have generated fewer than ``min_tokens`` tokens (unless ``ignore_eos``), as vLLM does."""
+        """Build the metadata of one step. ``banned_token_ids[i]``: ids row i must not pick (EOS / stop ids under
+        ``min_tokens``, from ``rooflm.engine.stop_checker.banned_token_ids``)."""
         n = len(params)
         if not (len(output_token_ids) == len(prompt_token_ids) == len(generators) == n):
             raise ValueError(
@@ -96,14 +96,7 @@ class SamplingMetadata:
                 f"{len(prompt_token_ids)} prompt lists and {len(generators)} generators"
             )
         greedy = [p.greedy or p.top_k == 1 for p in params]
-        banned: list[list[int]] = []
-        for p, out in zip(params, output_token_ids):
-            row: list[int] = []
-            if len(out) < p.min_tokens:
-                row = list(p.stop_token_ids)
-                if eos_token_id is not None and not p.ignore_eos:
-                    row.append(eos_token_id)
-            banned.append(row)
+        banned = [list(b) for b in banned_token_ids] if banned_token_ids is not None else []
 
         # One [7, N] host tensor and one copy to the device, not seven (each copy from pageable memory stalls).
         table = torch.tensor(

@@ -142,9 +142,8 @@ class ModelRunner:
             prompt_token_ids=[s.prompt_token_ids for s, _ in rows],
             generators=[s.generators[r] for s, r in rows],
             device=self.device,
+            banned_token_ids=[s.ban_token_ids for s, _ in rows],  # EOS / stop ids while under min_tokens
         )
-        if any(s.ban_token_ids for s, _ in rows):  # EOS / stop ids while under min_tokens
-            md.banned_token_ids = [s.ban_token_ids for s, _ in rows]
         so = self.sampler(logits, md)
         tokens = so.sampled_token_ids.tolist()
         want = [s.params.logprobs for s, _ in rows]
