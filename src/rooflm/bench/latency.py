@@ -70,9 +70,15 @@ def measure_ceilings(device, dtype) -> dict:
             "matmul_dtype": str(mm_dtype).removeprefix("torch.")}
 
 
-def kv_budget_bytes(cfg, dtype, tokens: int, block_size: int = 16) -> int:
+def kv_cache_bytes(args: argparse.Namespace, dtype, tokens: int, block_size: int = 16) -> int:
+    """The KV pool for a benchmark: ``--kv-cache-memory-gib`` if given, else what ``tokens`` need (+64 blocks, +10%)."""
     import torch
 
+    from rooflm.config import load_model_config
+
+    if args.kv_cache_memory_gib:
+        return int(args.kv_cache_memory_gib * 2**30)
+    cfg = load_model_config(args.model)
     elem = torch.empty((), dtype=dtype).element_size()
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
     return int(per_token * (tokens + 64 * block_size) * 1.1)
@@ -173,7 +179,7 @@ def _one_iteration(engine, prompts: list[list[int]], output_len: int) -> dict:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from rooflm.config import EngineConfig, load_model_config
+    from rooflm.config import EngineConfig
     from rooflm.engine.engine import LLMEngine, resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
@@ -182,9 +188,7 @@ def run(args: argparse.Namespace) -> int:
     if min(B, L_in, L_out) < 1:
         raise ValueError("--batch-size, --input-len and --output-len must be >= 1")
     ceilings = measure_ceilings(device, dtype)
-    model_cfg = load_model_config(args.model) if args.load_format == "dummy" else None
-    kv_bytes = (int(args.kv_cache_memory_gib * 2**30) if args.kv_cache_memory_gib
-                else kv_budget_bytes(model_cfg or load_model_config(args.model), dtype, B * (L_in + L_out)))
+    kv_bytes = kv_cache_bytes(args, dtype, B * (L_in + L_out))
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(
         model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,

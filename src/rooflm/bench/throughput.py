@@ -40,8 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from rooflm.bench.latency import build_hf_model, hf_generate_time, kv_budget_bytes, measure_ceilings
-    from rooflm.config import load_model_config
+    from rooflm.bench.latency import build_hf_model, hf_generate_time, kv_cache_bytes, measure_ceilings
     from rooflm.engine.engine import resolve_device, resolve_dtype
     from rooflm.llm import LLM
     from rooflm.sampling_params import SamplingParams
@@ -53,8 +52,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
     ceilings = measure_ceilings(device, dtype)
     seqs = min(args.max_num_seqs, N)
-    kv_bytes = (int(args.kv_cache_memory_gib * 2**30) if args.kv_cache_memory_gib
-                else kv_budget_bytes(load_model_config(args.model), dtype, seqs * (L_in + L_out)))
+    kv_bytes = kv_cache_bytes(args, dtype, seqs * (L_in + L_out))
     t0 = time.perf_counter()
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
               max_model_len=L_in + L_out, kv_cache_memory=kv_bytes, max_num_seqs=seqs,
