@@ -200,6 +200,12 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     attention_backend: str = "auto"  # "torch" (reference) | "triton" | "auto"
     show_progress: bool = True
+    # Schedule and prepare step N+1 while step N runs on the device. None: on for CUDA, off on the CPU (where the
+    # forward pass runs on the calling thread, so there is nothing to overlap).
+    async_scheduling: bool | None = None
+    # CUDA: the fraction of the device's memory this engine may use; the KV pool gets what the weights and the peak
+    # activations of a profiled forward pass at the configured batch limits leave.
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -208,6 +214,10 @@ class EngineConfig:
             raise _bad("EngineConfig", "dtype", self.dtype, f"'auto' or one of {SUPPORTED_DTYPES}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise _bad("EngineConfig", "attention_backend", self.attention_backend, "'auto', 'torch' or 'triton'")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise _bad("EngineConfig", "gpu_memory_utilization", self.gpu_memory_utilization, "a number in (0, 1]")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise _bad("EngineConfig", "async_scheduling", self.async_scheduling, "True, False or None (auto)")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise _bad("EngineConfig", "max_model_len", self.max_model_len, "a positive integer or None")
         # The sub-configs validate the rest.

@@ -1,5 +1,6 @@
-"""Continuous batching, chunked prefill, prefix caching, preemption and n > 1 forking are lossless: greedy tokens
-equal those of each prompt run alone, with none of them."""
+"""Continuous batching, chunked prefill, prefix caching, preemption and n > 1 fan-out are lossless: greedy tokens
+equal those of each prompt run alone, with none of them. Every test runs in both the synchronous and the
+asynchronous scheduling mode (step N+1 scheduled before step N's tokens are read back): the same tokens either way."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,11 @@ from rooflm.sampling_params import SamplingParams
 from engine_utils import run, tokens
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def mode(request) -> bool:
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +29,16 @@ def alone(smol, mixed_prompts):
     return [tokens(run(engine, [p], GREEDY))[0] for p in mixed_prompts]
 
 
-def test_batched_equals_alone(make_engine, mixed_prompts, alone):
-    engine = make_engine(enable_prefix_caching=False, kv_cache_memory=160 * 2**20)
+def test_batched_equals_alone(make_engine, mixed_prompts, alone, mode):
+    engine = make_engine(enable_prefix_caching=False, kv_cache_memory=160 * 2**20, async_scheduling=mode)
     assert tokens(run(engine, mixed_prompts, GREEDY)) == alone
     assert engine.get_stats().num_preemptions == 0
     assert engine.get_stats().num_steps < 2 * GREEDY.max_tokens, "the 32 prompts were not batched together"
 
 
 @pytest.mark.parametrize("budget", [1, 7, 64])
-def test_chunked_prefill_equals_alone(make_engine, mixed_prompts, alone, budget):
-    engine = make_engine(enable_prefix_caching=False, max_num_batched_tokens=budget)
+def test_chunked_prefill_equals_alone(make_engine, mixed_prompts, alone, budget, mode):
+    engine = make_engine(enable_prefix_caching=False, max_num_batched_tokens=budget, async_scheduling=mode)
     subset = [0, 1, 5, 10, 19, 30] if budget > 1 else [0, 5, 19]  # budget 1 takes one token a step: keep it short
     got = tokens(run(engine, [mixed_prompts[i] for i in subset], GREEDY))
     assert got == [alone[i] for i in subset]
@@ -40,8 +46,8 @@ def test_chunked_prefill_equals_alone(make_engine, mixed_prompts, alone, budget)
     assert longest > budget, "no prompt was long enough to be chunked"
 
 
-def test_prefix_caching_equals_alone_and_hits(make_engine, mixed_prompts, alone):
-    engine = make_engine(enable_prefix_caching=True)
+def test_prefix_caching_equals_alone_and_hits(make_engine, mixed_prompts, alone, mode):
+    engine = make_engine(enable_prefix_caching=True, async_scheduling=mode)
     assert tokens(run(engine, mixed_prompts, GREEDY)) == alone
     first_hits = engine.kv.prefix_hits
     # The same prompts again: every full prompt block is now cached.
@@ -51,28 +57,31 @@ def test_prefix_caching_equals_alone_and_hits(make_engine, mixed_prompts, alone)
     assert out.num_cached_tokens >= 32
 
 
-def test_prefix_caching_off_never_hits(make_engine, mixed_prompts, alone):
-    engine = make_engine(enable_prefix_caching=False)
+def test_prefix_caching_off_never_hits(make_engine, mixed_prompts, alone, mode):
+    engine = make_engine(enable_prefix_caching=False, async_scheduling=mode)
     assert tokens(run(engine, mixed_prompts[:8], GREEDY)) == alone[:8]
     assert tokens(run(engine, mixed_prompts[:8], GREEDY)) == alone[:8]
     assert engine.kv.prefix_hits == 0
 
 
-def test_preemption_is_lossless(make_engine, mixed_prompts, alone):
+def test_preemption_is_lossless(make_engine, mixed_prompts, alone, mode):
     # 24 blocks of 16 tokens: far less than 32 prompts of up to ~130 tokens need together.
-    engine = make_engine(num_gpu_blocks_override=24, max_model_len=256, enable_prefix_caching=True)
+    engine = make_engine(num_gpu_blocks_override=24, max_model_len=256, enable_prefix_caching=True,
+                         async_scheduling=mode)
     assert tokens(run(engine, mixed_prompts, GREEDY)) == alone
     assert engine.get_stats().num_preemptions > 0, "the tiny pool forced no preemption"
 
 
-def test_n_samples_fork_share_prompt_blocks(make_engine, mixed_prompts, alone):
-    """n = 3 greedy samples fork from one prefill; each equals the single greedy answer. The prompt's partly filled
-    last block is shared and written by each sample: copy-on-write must keep them apart."""
-    engine = make_engine(enable_prefix_caching=False)
-    prompt = mixed_prompts[1]
-    assert len(prompt) % engine.kv.block_size != 0
+def test_n_samples_fan_out_and_share_the_prompt(make_engine, mixed_prompts, alone, mode):
+    """n = 3 greedy samples become 3 child requests at the front door; each equals the single greedy answer. With a
+    step budget of one prompt, child 0 computes the prompt alone and the others find its full blocks in the prefix
+    cache."""
+    prompt = mixed_prompts[5]
+    engine = make_engine(enable_prefix_caching=True, max_num_batched_tokens=len(prompt), async_scheduling=mode)
+    full_blocks = len(prompt) // engine.kv.block_size
+    assert full_blocks >= 2
     out = run(engine, [prompt], GREEDY.clone(n=3))[0]
-    assert [c.token_ids for c in out.outputs] == [alone[1]] * 3
+    assert [c.token_ids for c in out.outputs] == [alone[5]] * 3
     assert [c.index for c in out.outputs] == [0, 1, 2]
-    assert engine.runner.num_block_copies >= 2
+    assert engine.kv.prefix_hits >= 2 * full_blocks * engine.kv.block_size, "children recomputed the prompt"
     assert engine.get_stats().prompt_tokens_total == len(prompt)

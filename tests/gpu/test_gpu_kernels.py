@@ -23,6 +23,36 @@ def test_decode(num_kv_heads, window, num_splits):
                  seed=num_kv_heads + (window or 0))
 
 
+@pytest.mark.parametrize("lanes,use_dot", [(False, None), (True, None), (False, True)])
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("window", [None, 256])
+def test_decode_mha_inner_loops(lanes, use_dot, pdl, window):
+    for num_splits, block_n, warps in ((1, 64, 4), (16, 32, 2), (37, 16, 1)):
+        _decode_opts(32, 32, LENS, window=window, lanes=lanes, use_dot=use_dot, pdl=pdl, num_splits=num_splits,
+                     block_n=block_n, num_warps=warps)
+
+
+def _decode_opts(num_heads, num_kv_heads, lens, window=None, dtype=torch.float16, **kw):
+    from kernel_checks import make_paged
+
+    from rooflm.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+
+    cache, tables = make_paged(lens, num_kv_heads, 128, 16, dtype, DEV)
+    q = torch.randn(len(lens), num_heads, 128, device=DEV, dtype=dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, cache, tables, seq_lens, 128 ** -0.5, window, out=out, **kw)
+    ref = paged_decode_attention_ref(q, cache, tables, seq_lens, 128 ** -0.5, window)
+    assert_close(out, ref, dtype, f"decode {kw} w={window}")
+
+
+@pytest.mark.parametrize("pdl,num_stages", [(False, 2), (True, 3)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_gqa_pdl_and_stages(pdl, num_stages, dtype):
+    for num_splits in (None, 8, 64):
+        _decode_opts(32, 8, LENS + [0], dtype=dtype, pdl=pdl, num_stages=num_stages, num_splits=num_splits)
+
+
 @pytest.mark.parametrize("fused_reduce", [True, False])
 @pytest.mark.parametrize("block_n,num_splits", [(32, 24), (64, 16), (64, 40)])
 def test_decode_reduce_paths_and_tiles(fused_reduce, block_n, num_splits):
@@ -95,31 +125,40 @@ def test_linear_dispatch_picks_and_matches():
     assert gemv.choices(), "the dispatcher recorded no choice"
 
 
-@pytest.mark.parametrize("fused_reduce", [False, True])
-def test_decode_in_cuda_graph_replays_at_new_lengths(fused_reduce):
+@pytest.mark.parametrize("num_kv_heads", [8, 32])
+@pytest.mark.parametrize("fused_reduce,pdl", [(False, False), (True, False), (False, True), (True, True)])
+def test_decode_in_cuda_graph_replays_at_new_lengths(fused_reduce, pdl, num_kv_heads):
     """Capture decode attention once; replay with other contexts and lengths written into the static buffers (the
-    fused reduction's tickets must be back at zero after every replay)."""
+    fused reduction's tickets must be back at zero after every replay). pdl: programmatic dependent launch edges in
+    the graph, after a kernel that writes q and the cache (as rotary embedding does)."""
     from kernel_checks import make_paged
 
     from rooflm.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 
-    H, Hkv, D, bs = 32, 8, 128, 16
+    H, Hkv, D, bs = 32, num_kv_heads, 128, 16
     lens0 = [700, 1, 0, 33]
     cache, tables = make_paged([2100] * 4, Hkv, D, bs, torch.float16, DEV)
     q = torch.randn(4, H, D, device=DEV, dtype=torch.float16)
     seq_lens = torch.tensor(lens0, dtype=torch.int32, device=DEV)
     out = torch.empty_like(q)
     scale = D ** -0.5
-    paged_decode_attention(q, cache, tables, seq_lens, scale, out=out, fused_reduce=fused_reduce)  # compile
+    q_src, cache_src = torch.empty_like(q), torch.empty_like(cache)
+
+    def step():  # the kernel just before attention writes its inputs (a PDL launch must wait for them)
+        q.copy_(q_src)
+        cache.copy_(cache_src)
+        paged_decode_attention(q, cache, tables, seq_lens, scale, out=out, fused_reduce=fused_reduce, pdl=pdl)
+
+    step()  # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        paged_decode_attention(q, cache, tables, seq_lens, scale, out=out, fused_reduce=fused_reduce)
+        step()
     for lens in ([2100, 5, 17, 0], [1, 1, 1, 1], [999, 2000, 16, 256]):
-        q.copy_(torch.randn_like(q))
-        cache.copy_(torch.randn_like(cache))
+        q_src.copy_(torch.randn_like(q))
+        cache_src.copy_(torch.randn_like(cache))
         seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         out.fill_(float("nan"))
         graph.replay()
-        ref = paged_decode_attention_ref(q, cache, tables, seq_lens, scale)
+        ref = paged_decode_attention_ref(q_src, cache_src, tables, seq_lens, scale)
         assert_close(out, ref, torch.float16, f"graph replay lens={lens}")

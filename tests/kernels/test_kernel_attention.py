@@ -63,3 +63,60 @@ def test_backend_via_get_attention_backend():
     from rooflm.attention.backend import get_attention_backend
 
     assert get_attention_backend("triton").name == "triton"
+
+
+def _decode_vs_ref(device, num_heads, num_kv_heads, head_dim, block_size, lens, seed, window=None, dtype=torch.float16,
+                   table_width=None, **kw):
+    """Run paged_decode_attention with the given options on fresh random inputs (output poisoned with NaN) and
+    compare with the torch twin."""
+    from kernel_checks import assert_close, make_paged
+
+    from rooflm.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+
+    g = torch.Generator().manual_seed(seed)
+    cache, tables = make_paged(lens, num_kv_heads, head_dim, block_size, dtype, device, gen=g)
+    if table_width is not None:  # a table with no spare column: the kernel must not read past its end
+        tables = tables[:, :table_width].contiguous()
+    q = torch.randn(len(lens), num_heads, head_dim, generator=g).to(dtype).to(device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, cache, tables, seq_lens, scale, window, out=out, **kw)
+    ref = paged_decode_attention_ref(q, cache, tables, seq_lens, scale, window)
+    assert_close(out, ref, dtype, f"decode {kw} H={num_heads}/{num_kv_heads} lens={lens} w={window}")
+
+
+# MHA has three inner loops: the dot-free one with one softmax state (default), the dot-free one with a state per
+# tile row (lanes=True), and tl.dot with the query padded to 16 rows (use_dot=True).
+@pytest.mark.parametrize("use_dot,lanes", [(None, False), (None, True), (True, False)])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("num_splits,block_n", [(1, 16), (3, 16), (2, 32)])
+def test_decode_mha_inner_loops(device, use_dot, lanes, window, num_splits, block_n):
+    _decode_vs_ref(device, 4, 4, 32, 8, [1, 15, 16, 17, 70, 0], seed=num_splits + block_n, window=window,
+                   use_dot=use_dot, lanes=lanes, num_splits=num_splits, block_n=block_n)
+
+
+@pytest.mark.parametrize("lanes", [False, True])
+def test_decode_mha_fused_reduce_and_bfloat16(device, lanes):
+    _decode_vs_ref(device, 2, 2, 64, 16, [33, 100, 0], seed=3, dtype=torch.bfloat16, lanes=lanes, num_splits=4,
+                   block_n=16, fused_reduce=True)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2)])
+def test_decode_table_without_spare_columns(device, num_heads, num_kv_heads):
+    # the longest sequence uses every column; the first tile's table entries are loaded before the length is known
+    _decode_vs_ref(device, num_heads, num_kv_heads, 32, 8, [40, 3, 17], seed=5, table_width=5, num_splits=3,
+                   block_n=16)
+
+
+def test_decode_rejects_bad_arguments(device):
+    from rooflm.kernels.decode_attention import paged_decode_attention
+
+    q = torch.randn(1, 4, 32, device=device)
+    cache = torch.randn(2, 2, 8, 2, 32, device=device)
+    tables = torch.zeros(1, 2, dtype=torch.int32, device=device)
+    lens = torch.tensor([5], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="use_dot"):
+        paged_decode_attention(q, cache, tables, lens, 1.0, use_dot=False)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_decode_attention(q, cache, tables, lens, 1.0, num_splits=0)

@@ -1,32 +1,41 @@
 """LLMEngine: requests in, one scheduler step + one forward pass per ``step()``, outputs out.
 
-Stop conditions are checked here after each step (EOS, stop token ids, stop strings, max_tokens, max_model_len);
-finished sequences release their KV blocks before the next schedule.
+The step contract (see docs/architecture.md): ``Scheduler.schedule()`` -> ``SchedulerOutput`` (diffs) ->
+``ModelRunner.execute()`` -> ``StepHandle`` -> ``Scheduler.update_from_output()`` -> ``EngineCoreOutput``s ->
+``OutputProcessor.process()`` -> ``RequestOutput``s.
+
+Asynchronous scheduling (``async_scheduling``): ``step()`` schedules and launches step N+1 *before* it waits for
+step N, so the host's scheduling and input preparation overlap the device's forward pass. The token sampled in
+step N feeds step N+1 on the device; the host reads it one step later for outputs and stop checks, and whatever a
+request computed after its stop condition is dropped, so outputs equal the synchronous mode's.
 """
 from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from typing import Any
 
 import torch
 
 from rooflm.config import EngineConfig, ModelConfig, SchedulerConfig
-from rooflm.engine.scheduler import Scheduler
-from rooflm.engine.sequence import Request, Sequence
+from rooflm.engine.output_processor import OutputProcessor
+from rooflm.engine.request import Request
+from rooflm.engine.sched_output import SchedulerOutput
+from rooflm.engine.scheduler import FINISH_ABORT, Scheduler
 from rooflm.engine.stats import EngineStats
-from rooflm.engine.stop_checker import check_stop, is_stop_token
+from rooflm.engine.stop_checker import FINISH_STOP
 from rooflm.kv_cache import KVCacheManager
 from rooflm.logger import get_logger
 from rooflm.outputs import RequestMetrics, RequestOutput
 from rooflm.sampling_params import SamplingParams
-from rooflm.worker.model_runner import ModelRunner, kv_bytes_per_block
+from rooflm.worker.model_runner import ModelRunner, StepHandle, kv_bytes_per_block, profile_activation_bytes
 
 logger = get_logger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _CPU_KV_DEFAULT = 512 * 2**20  # bytes of KV pool on the CPU unless told otherwise
-_CUDA_MEMORY_FRACTION = 0.90  # of the memory free after loading weights
+_CUDA_GRAPH_RESERVE = 512 * 2**20  # room left for the decode graphs' memory pool and allocator slack
 
 
 def resolve_device(device: str) -> torch.device:
@@ -81,14 +90,20 @@ class LLMEngine:
                                                 self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.eos_token_ids)
-        self.runner = ModelRunner(self.model, cfg, num_blocks, config.block_size, self.device, self.dtype)
+        self.runner = ModelRunner(self.model, cfg, num_blocks, config.block_size, self.device, self.dtype,
+                                  config.max_num_seqs, self.max_model_len, self.eos_token_ids)
+        self.output_processor = OutputProcessor(tokenizer, frozenset(self.eos_token_ids))
         per_block = kv_bytes_per_block(cfg, config.block_size, self.dtype)
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), at most %d tokens; max_model_len=%d; %s on %s",
+        self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
+                                 else config.async_scheduling)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), at most %d tokens; max_model_len=%d; %s on %s%s",
                     num_blocks, config.block_size, num_blocks * per_block / 2**20, num_blocks * config.block_size,
-                    self.max_model_len, str(self.dtype).removeprefix("torch."), self.device)
+                    self.max_model_len, str(self.dtype).removeprefix("torch."), self.device,
+                    "; asynchronous scheduling" if self.async_scheduling else "")
         if self.device.type == "cuda" and not config.enforce_eager:
-            self._maybe_capture_graphs()
+            self.runner.capture_graphs(config.max_num_seqs)
         self._ids = itertools.count()
+        self._in_flight: deque[tuple[SchedulerOutput, StepHandle]] = deque()
         self.stats = EngineStats(num_total_blocks=num_blocks)
 
     # -- set-up ---------------------------------------------------------------------------------------------------------
@@ -100,14 +115,21 @@ class LLMEngine:
         budget = c.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * _CUDA_MEMORY_FRACTION) - 2**30  # room for activations and graphs
+                # What the weights and a profiled forward pass at the batch limits leave of the allowed share
+                # (nano-vllm's and vLLM's rule: size the pool from measured peaks, not a guess).
+                peak = profile_activation_bytes(self.model, cfg, c.max_num_batched_tokens, c.max_num_seqs,
+                                                c.block_size, self.device, self.dtype)
+                free, total = torch.cuda.mem_get_info(self.device)
+                budget = int(total * c.gpu_memory_utilization) - (total - free) - peak - _CUDA_GRAPH_RESERVE
+                logger.info("KV sizing: %.2f GiB in use, activation peak %.2f GiB, %.2f GiB left for the KV pool",
+                            (total - free) / 2**30, peak / 2**30, budget / 2**30)
             else:
                 budget = _CPU_KV_DEFAULT
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block: one block of {c.block_size} tokens "
-                             f"takes {per_block} bytes for this model")
+                             f"takes {per_block} bytes for this model (raise gpu_memory_utilization or "
+                             "lower max_num_batched_tokens)")
         return int(num_blocks)
 
     def _max_model_len(self, cfg: ModelConfig, num_blocks: int) -> int:
@@ -130,24 +152,21 @@ class LLMEngine:
             ids.add(self.tokenizer.eos_token_id)
         return sorted(ids)
 
-    def _maybe_capture_graphs(self) -> None:
-        try:
-            from rooflm.worker.cuda_graphs import capture_decode_graphs
-        except ImportError:
-            return
-        self.runner.graph_runner = capture_decode_graphs(self.runner, self.config.max_num_seqs)
-
     # -- requests -------------------------------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> str:
-        """Queue a request. Raises ValueError, naming the field and value, for input it cannot serve."""
-        from rooflm.engine.detokenizer import IncrementalDetokenizer
+        """Queue a request. Raises ValueError, naming the field and value, for input it cannot serve.
+
+        ``n > 1`` fans out here into n child requests (each its own sample, seeded by its index); the scheduler and
+        the runner never see n, and the children share the prompt's KV blocks through the prefix cache."""
         from rooflm.layers.sampler import make_generator
 
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params={params!r} is invalid: expected a SamplingParams")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request_id={request_id!r} is already in use")
         prompt_text, token_ids = self._tokenize(prompt)
         n = len(token_ids)
         if n > self.max_model_len:
@@ -158,14 +177,15 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary [0, {vocab})")
-        metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
-        request = Request(request_id, prompt_text, token_ids, params, metrics)
-        for seq in request.seqs:
-            if params.seed is not None:
-                seq.generator = make_generator(params.seed, seq.index, self.device)
-            if self.tokenizer is not None:
-                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params)
-        self.scheduler.add_request(request)
+        arrival = arrival_time or time.monotonic()
+        child_params = [params.clone(n=1) if i == 0 else params.clone(n=1, prompt_logprobs=None)
+                        for i in range(params.n)]
+        metrics = [RequestMetrics(arrival_time=arrival) for _ in range(params.n)]
+        child_ids = self.output_processor.add_request(request_id, prompt_text, token_ids, params, child_params,
+                                                      metrics)
+        for i, (cid, cp, m) in enumerate(zip(child_ids, child_params, metrics)):
+            gen = make_generator(params.seed, i, self.device) if params.seed is not None else None
+            self.scheduler.add_request(Request(cid, token_ids, cp, m, gen))
         self.stats.prompt_tokens_total += n
         return request_id
 
@@ -184,60 +204,31 @@ class LLMEngine:
         return text, ids
 
     def abort_request(self, request_id: str) -> None:
-        self.scheduler.abort_request(str(request_id))
+        request_id = str(request_id)
+        self.scheduler.finish_requests(self.output_processor.child_ids(request_id), FINISH_ABORT)
+        self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._in_flight)
 
     # -- one step -------------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one scheduler step. Synchronous: schedule, execute, wait, update. Asynchronous: schedule and launch
+        this step, then finish the previous one (its outputs are what this call returns)."""
         out = self.scheduler.schedule()
-        if out.is_empty:
+        if not out.is_empty:
+            self._in_flight.append((out, self.runner.execute(out)))
+            self.stats.num_steps += 1
+        depth = 2 if self.async_scheduling else 1
+        if not self._in_flight or (len(self._in_flight) < depth and not out.is_empty):
             return []
-        results = self.runner.execute(out)
-        self.stats.num_steps += 1
-        for sch in out.scheduled:
-            request = self.scheduler.requests.get(sch.request_id)
-            if request is not None and request.prompt_logprobs is not None:
-                for pos, d in results[sch.seq_id].prompt_logprobs:
-                    request.prompt_logprobs[pos] = d
-        got_token = self.scheduler.update(out, {sid: r.sampled for sid, r in results.items() if r.sampled})
-        now = time.monotonic()
-        progressed: dict[str, Request] = {}
-        for seq, sched_id, row in got_token:
-            res = results[sched_id]
-            if seq.logprobs is not None and res.logprobs:
-                seq.logprobs.append(res.logprobs[row])
-                seq.cumulative_logprob += res.sampled_logprobs[row]
-            self._check_stop(seq)
-            m = seq.request.metrics
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.last_token_time = now
-            progressed[seq.request.request_id] = seq.request
-        self.stats.generation_tokens_total += len(got_token)
-        outputs = []
-        for request in progressed.values():
-            if request.finished:
-                request.metrics.finished_time = now
-            outputs.append(request.to_output())
+        done_out, handle = self._in_flight.popleft()
+        core_outputs = self.scheduler.update_from_output(done_out, handle.get())
+        outputs, to_stop = self.output_processor.process(core_outputs, time.monotonic())
+        for child_id, stop_str in to_stop:
+            self.scheduler.finish_requests([child_id], FINISH_STOP, stop_str)
+        self.stats.generation_tokens_total += sum(len(o.new_token_ids) for o in core_outputs)
         return outputs
-
-    def _check_stop(self, seq: Sequence) -> None:
-        p, token, n_out = seq.params, seq.all_token_ids[-1], seq.num_output_tokens
-        stop_str = None
-        if seq.detokenizer is not None:
-            ends_on_token = is_stop_token(token, n_out, p, self.eos_token_ids)
-            stop_str = seq.detokenizer.append(token, is_stop_token=ends_on_token)
-            seq.text += seq.detokenizer.get_delta()
-        reason = check_stop(token, n_out, p, self.eos_token_ids, stop_str, seq.num_tokens, self.max_model_len)
-        if reason is not None:
-            self._finish(seq, *reason)
-
-    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
-        if seq.detokenizer is not None:
-            seq.text += seq.detokenizer.flush()
-        self.scheduler.finish(seq, reason, stop_reason)
 
     # -- stats ----------------------------------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

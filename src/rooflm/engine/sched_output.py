@@ -1,4 +1,11 @@
-"""What the scheduler decides for one step: plain data that the model runner executes."""
+"""The step contract: what the scheduler tells the model runner, and what comes back. Plain data.
+
+Send once, then diffs (vLLM v1's ``NewRequestData`` / ``CachedRequestData``): a request's prompt, sampling
+parameters and block table cross to the runner once, when it is (re)admitted; afterwards a step carries only the
+block ids appended since the last step and the number of tokens to compute. The runner keeps everything else in its
+persistent batch (``rooflm.worker.input_batch``). Requests that finished or were preempted since the last step are
+named so the runner can drop their state.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,41 +18,78 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class ScheduledSeq:
-    """One sequence's share of the step: compute the KV of ``token_ids`` at positions
-    ``[num_computed_tokens, num_computed_tokens + len(token_ids))``."""
+class NewRequestData:
+    """A request the runner has no state for: first admission, or resumption after preemption."""
 
-    seq_id: str
-    request_id: str
-    token_ids: list[int]  # the new tokens to compute this step
-    num_computed_tokens: int  # tokens with KV in the cache before this step
-    block_ids: list[int]  # the sequence's block table (covers num_computed_tokens + len(token_ids) slots)
-    # Sampling: set when this chunk reaches the end of the sequence's known tokens.
-    sample: bool
+    req_id: str
+    token_ids: list[int]  # every token known now (prompt, plus outputs when resumed)
+    num_prompt_tokens: int
     params: "SamplingParams"
-    # One row per sample drawn from this chunk's last logits: several when the leader of an n > 1 request finishes
-    # its prompt (its samples fork here), else one.
-    generators: list["torch.Generator | None"] = field(default_factory=list)
-    output_token_ids: list[list[int]] = field(default_factory=list)  # per row, for penalties
-    prompt_token_ids: list[int] = field(default_factory=list)  # for the repetition penalty
-    ban_token_ids: list[int] = field(default_factory=list)  # EOS/stop ids masked while under min_tokens
-    prompt_logprobs: bool = False  # return logprobs of the prompt tokens in this chunk
+    generator: "torch.Generator | None"
+    block_ids: list[int]  # the whole table, covering this step's tokens
+    num_computed_tokens: int  # before this step (prefix-cache hits)
 
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids)
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]  # appended to its table since the last step
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledSeq]  # in batch order
-    preempted_seq_ids: list[str] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) before the step
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    # req_id -> tokens to compute this step, in batch order (new and cached requests interleaved as scheduled).
+    num_scheduled_tokens: dict[str, int]
+    # Requests whose last scheduled token ends at their known length: the step samples one token for each.
+    sampling_req_ids: list[str] = field(default_factory=list)
+    finished_req_ids: set[str] = field(default_factory=set)  # since the last step: the runner drops their state
+    preempted_req_ids: set[str] = field(default_factory=set)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), run before the forward pass
+    # req_id -> num_computed_tokens once this step has run (the scheduler's own bookkeeping: which blocks fill up).
+    num_computed_tokens_after: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.num_scheduled_tokens)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced, on the host. Rows follow ``SchedulerOutput.sampling_req_ids``."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    # Per row when the request asked for logprobs, else None: {token_id: logprob} (top-k plus the sampled one).
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    sampled_logprobs: list[float | None] = field(default_factory=list)
+    # req_id -> [(prompt position, {token_id: logprob})] for the prompt positions computed this step.
+    prompt_logprobs: dict[str, list[tuple[int, dict[int, float]]]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's progress in one step, from ``Scheduler.update_from_output`` to the output processor."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] = field(default_factory=list)
+    new_sampled_logprobs: list[float] = field(default_factory=list)
+    new_prompt_logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,35 +1,46 @@
 """The scheduler: one decision per step under one token budget (vLLM v1's rule, Orca's iteration-level batching).
 
-Every sequence has ``num_computed_tokens`` catching up to ``num_tokens``. Each step:
-1. running sequences, in admission order, get what they still need (a decode: 1 token; an unfinished prompt: the
+Every request has ``num_computed_tokens`` catching up to ``num_tokens``. Each ``schedule()``:
+1. running requests, in admission order, get what they still need (a decode: 1 token; an unfinished prompt: the
    next chunk), within ``max_num_batched_tokens``. When the KV pool cannot supply a block, the most recently
-   admitted running sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be
+   admitted running request is preempted: its blocks are freed and it goes back to the front of the queue, to be
    recomputed later (its tokens so far are kept, so its output does not change).
-2. if nothing was preempted, waiting sequences are admitted first come first served while the budget, the pool
-   and ``max_num_seqs`` allow, their prompt's cached prefix (full blocks) skipped.
+2. if nothing was preempted, waiting requests are admitted first come first served while the budget, the pool and
+   ``max_num_seqs`` allow, their prompt's cached prefix (full blocks) skipped.
+``num_computed_tokens`` advances at scheduling time, so the next step can be scheduled while this one runs
+(asynchronous scheduling); a request that will sample holds an output placeholder until its token is read back.
 
-Stop conditions are decided by the engine, which calls ``finish`` for finished sequences before the next step.
+``update_from_output()`` is the one owner of every per-request change after a step: append the sampled tokens,
+register newly full blocks in the prefix cache, check the stop conditions (``stop_checker``), finish and free.
+Stop strings need detokenized text, so the output processor finds them and calls ``finish_requests``.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 
 from rooflm.config import SchedulerConfig
-from rooflm.engine.sched_output import ScheduledSeq, SchedulerOutput
-from rooflm.engine.sequence import Request, Sequence, SeqStatus
-from rooflm.engine.stop_checker import banned_token_ids
+from rooflm.engine.request import Request, RequestStatus
+from rooflm.engine.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+                                        SchedulerOutput)
+from rooflm.engine.stop_checker import FINISH_LENGTH, check_stop
 from rooflm.kv_cache import KVCacheManager
+
+FINISH_ABORT = "abort"
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: list[int] | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: Iterable[int] = ()) -> None:
         self.config = config
         self.kv = kv
-        self.eos_token_ids = list(eos_token_ids or [])
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order; preemption takes from the end
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order; preemption takes from the end
         self.requests: dict[str, Request] = {}
+        # Requests the runner holds state for, and how many of each one's blocks it has been sent.
+        self._sent_blocks: dict[str, int] = {}
+        self._finished_for_runner: set[str] = set()
         self.num_preemptions = 0
         self.peak_blocks_used = 0
 
@@ -38,35 +49,30 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id={request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request.leader)
+        self.waiting.append(request)
 
-    def abort_request(self, request_id: str) -> Request | None:
-        request = self.requests.get(request_id)
-        if request is None:
-            return None
-        for seq in request.seqs:
-            if not seq.is_finished:
-                self.finish(seq, "abort")
-        return request
+    def finish_requests(self, request_ids: Iterable[str], reason: str = FINISH_ABORT,
+                        stop_reason: int | str | None = None) -> list[Request]:
+        """Finish (abort, or stop on a stop string) and free. Unknown or finished ids are ignored."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, reason, stop_reason)
+                done.append(req)
+        return done
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        """Mark ``seq`` finished and free its blocks. The request is forgotten once all its samples are done."""
-        if seq.is_finished:
-            return
-        if seq.status is SeqStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is SeqStatus.WAITING:
-            self.waiting.remove(seq)
-        self.kv.free(seq.seq_id)
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
-        seq.stop_reason = stop_reason
-        if seq.index == 0:  # samples never forked (an abort before the prompt was computed) end with it
-            for other in seq.request.seqs:
-                if other.status is SeqStatus.WAITING_FOR_FORK:
-                    other.status, other.finish_reason = SeqStatus.FINISHED, reason
-        if seq.request.finished:
-            self.requests.pop(seq.request.request_id, None)
+    def _finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        self.requests.pop(req.request_id, None)
+        if self._sent_blocks.pop(req.request_id, None) is not None:
+            self._finished_for_runner.add(req.request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -80,132 +86,144 @@ class Scheduler:
         return len(self.waiting)
 
     # -- one step -----------------------------------------------------------------------------------------------------
+    def _will_finish(self, req: Request) -> bool:
+        """Its pending placeholder already reaches max_tokens or max_model_len: nothing more to compute."""
+        p = req.params
+        return ((p.max_tokens is not None and req.num_output_tokens >= p.max_tokens)
+                or req.num_tokens >= self.config.max_model_len)
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        chosen: dict[str, int] = {}  # seq_id -> number of new tokens, in batch order
-        preempted: list[str] = []
+        chosen: dict[str, int] = {}  # req_id -> number of new tokens, in batch order
+        preempted: set[str] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            assert num_new > 0, f"{seq} is running with nothing to compute"
-            while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + num_new):
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0 or (req.num_output_placeholders and self._will_finish(req)):
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens,
+                                             req.num_computed_tokens + num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
-                preempted.append(victim.seq_id)
-                budget += chosen.pop(victim.seq_id, 0)
-                if victim is seq:
+                if victim.request_id in self._sent_blocks:
+                    del self._sent_blocks[victim.request_id]
+                    preempted.add(victim.request_id)
+                budget += chosen.pop(victim.request_id, 0)
+                if victim is req:
                     break
             else:
-                chosen[seq.seq_id] = num_new
+                chosen[req.request_id] = num_new
                 budget -= num_new
                 i += 1
 
         if not preempted:
             self._admit_waiting(budget, chosen)
-
-        by_id = {s.seq_id: s for s in self.running}
-        scheduled = [self._make_scheduled(by_id[sid], n) for sid, n in chosen.items()]
-        used = self.kv.num_blocks - self.kv.num_free_blocks
-        self.peak_blocks_used = max(self.peak_blocks_used, used)
-        return SchedulerOutput(scheduled, preempted, self.kv.take_pending_copies())
+        return self._build_output(chosen, preempted)
 
     def _admit_waiting(self, budget: int, chosen: dict[str, int]) -> None:
         now = time.monotonic()
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
-            num_seqs_after = len(self.running) + (self._num_unforked(seq) if seq.index == 0 else 1)
-            if num_seqs_after > self.config.max_num_seqs and self.running:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if req.num_output_placeholders:  # preempted while a step ran for it: resume once its token is back
                 break
             hits, num_cached = [], 0
-            lookup = seq.params.prompt_logprobs is None  # prompt logprobs need every prompt position computed
+            lookup = self.kv.enable_prefix_caching and not req.wants_prompt_logprobs  # those need every position
             if lookup:
-                hits, num_cached = self.kv.get_computed_blocks(seq.all_token_ids, record=False)
-            num_new = min(seq.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(seq.seq_id, num_cached, num_cached + num_new, hits):
+                hashes = req.update_block_hashes(self.kv.block_size)
+                hits, num_cached = self.kv.get_computed_blocks_by_hash(hashes, req.num_tokens, record=False)
+            num_new = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(req.request_id, num_cached, num_cached + num_new, hits):
                 break  # FCFS: nobody jumps the queue
             self.waiting.popleft()
-            if lookup and self.kv.enable_prefix_caching:
-                self.kv.record_lookup(seq.num_tokens, num_cached)
-            seq.status = SeqStatus.RUNNING
-            seq.num_computed_tokens = num_cached
-            if seq.index == 0 and seq.num_preemptions == 0:
-                seq.request.metrics.num_cached_tokens = num_cached
-                if seq.request.metrics.first_scheduled_time is None:
-                    seq.request.metrics.first_scheduled_time = now
-            self.running.append(seq)
-            chosen[seq.seq_id] = num_new
+            if lookup:
+                self.kv.record_lookup(req.num_tokens, num_cached)
+            if req.num_preemptions == 0:
+                req.metrics.num_cached_tokens = num_cached
+                if req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = now
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            self.running.append(req)
+            chosen[req.request_id] = num_new
             budget -= num_new
 
-    def _num_unforked(self, leader: Sequence) -> int:
-        return 1 + sum(s.status is SeqStatus.WAITING_FOR_FORK for s in leader.request.seqs)
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Free ``seq``'s blocks and put it back at the front of the queue; its tokens are kept for recompute."""
-        self.running.remove(seq)
-        self.kv.free(seq.seq_id)
-        seq.num_computed_tokens = 0
-        seq.status = SeqStatus.WAITING
-        seq.num_preemptions += 1
-        seq.request.metrics.num_preemptions += 1
+    def _preempt(self, req: Request) -> None:
+        """Free ``req``'s blocks and put it back at the front of the queue; its tokens are kept for recompute."""
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        req.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.appendleft(req)
 
-    def _make_scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
-        start = seq.num_computed_tokens
-        end = start + num_new
-        sample = end == seq.num_tokens
-        params = seq.params
-        rows: list[Sequence] = [seq]
-        if sample and seq.index == 0:
-            rows += [s for s in seq.request.seqs if s.status is SeqStatus.WAITING_FOR_FORK]
-        want_prompt_lp = params.prompt_logprobs is not None and start < seq.num_prompt_tokens
-        penalties = sample and (params.repetition_penalty != 1 or params.presence_penalty != 0
-                                or params.frequency_penalty != 0)
-        ban = banned_token_ids(seq.num_output_tokens, params, self.eos_token_ids) if sample else []
-        return ScheduledSeq(
-            seq_id=seq.seq_id,
-            request_id=seq.request.request_id,
-            token_ids=seq.all_token_ids[start:end],
-            num_computed_tokens=start,
-            block_ids=self.kv.get_block_ids(seq.seq_id),
-            sample=sample,
-            params=params,
-            generators=[r.generator for r in rows] if sample else [],
-            # Token histories only where penalties read them: copying them each step costs host time.
-            output_token_ids=[r.output_token_ids if penalties else [] for r in rows] if sample else [],
-            prompt_token_ids=seq.all_token_ids[: seq.num_prompt_tokens] if penalties or want_prompt_lp else [],
-            ban_token_ids=ban,
-            prompt_logprobs=want_prompt_lp,
-        )
+    def _build_output(self, chosen: dict[str, int], preempted: set[str]) -> SchedulerOutput:
+        new_reqs: list[NewRequestData] = []
+        cached: list[CachedRequestData] = []
+        sampling: list[str] = []
+        computed_after: dict[str, int] = {}
+        for rid, num_new in chosen.items():
+            req = self.requests[rid]
+            start = req.num_computed_tokens
+            sent = self._sent_blocks.get(rid)
+            if sent is None:
+                block_ids = self.kv.get_block_ids(rid)
+                new_reqs.append(NewRequestData(rid, list(req.all_token_ids), req.num_prompt_tokens, req.params,
+                                               req.generator, block_ids, start))
+                self._sent_blocks[rid] = len(block_ids)
+            else:
+                new_ids = self.kv.get_block_ids(rid, sent)
+                cached.append(CachedRequestData(rid, new_ids))
+                self._sent_blocks[rid] = sent + len(new_ids)
+            req.num_computed_tokens = end = start + num_new
+            computed_after[rid] = end
+            if end == req.num_tokens:
+                sampling.append(rid)
+                req.num_output_placeholders += 1
+        used = self.kv.num_blocks - self.kv.num_free_blocks
+        self.peak_blocks_used = max(self.peak_blocks_used, used)
+        finished, self._finished_for_runner = self._finished_for_runner, set()
+        return SchedulerOutput(new_reqs, cached, chosen, sampling, finished, preempted, self.kv.take_pending_copies(),
+                               computed_after)
 
     # -- after the forward pass ----------------------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Sequence, str, int]]:
-        """Advance ``num_computed_tokens``, cache newly full blocks, append sampled tokens and fork the samples of
-        n > 1 requests. ``sampled[seq_id]`` holds one token per row of that ScheduledSeq. Returns, for each sequence
-        that received a token (forked ones included, in batch order), ``(sequence, scheduled seq_id, row)``."""
-        by_id = {s.seq_id: s for s in self.running}
-        got_token: list[tuple[Sequence, str, int]] = []
-        for sch in out.scheduled:
-            seq = by_id.get(sch.seq_id)
-            if seq is None:  # finished (aborted) while the step ran
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Apply one step's results: prefix-cache registration, sampled tokens, stop checks, finishing.
+
+        Requests that finished (or were aborted) after the step was scheduled get nothing: a token sampled after a
+        stop condition never reaches the user."""
+        bs = self.kv.block_size
+        for rid, end in out.num_computed_tokens_after.items():
+            req = self.requests.get(rid)
+            if req is not None and req.status is RequestStatus.RUNNING and self.kv.enable_prefix_caching:
+                self.kv.cache_full_blocks(rid, req.all_token_ids, end, req.update_block_hashes(bs))
+        outputs: dict[str, EngineCoreOutput] = {}
+        for rid, pl in result.prompt_logprobs.items():
+            if rid in self.requests:
+                outputs[rid] = EngineCoreOutput(rid, [], new_prompt_logprobs=pl)
+        for row, rid in enumerate(result.req_ids):
+            req = self.requests.get(rid)
+            if req is None:
                 continue
-            seq.num_computed_tokens += sch.num_new_tokens
-            self.kv.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
-            if not sch.sample:
-                continue
-            tokens = sampled[sch.seq_id]
-            seq.all_token_ids.append(tokens[0])
-            got_token.append((seq, sch.seq_id, 0))
-            if len(tokens) > 1:  # the leader's samples fork off here, sharing its blocks
-                followers = [s for s in seq.request.seqs if s.status is SeqStatus.WAITING_FOR_FORK]
-                assert len(followers) == len(tokens) - 1
-                for row, (follower, token) in enumerate(zip(followers, tokens[1:]), start=1):
-                    self.kv.fork(seq.seq_id, follower.seq_id)
-                    follower.num_computed_tokens = seq.num_computed_tokens
-                    follower.all_token_ids.append(token)
-                    follower.status = SeqStatus.RUNNING
-                    self.running.append(follower)
-                    got_token.append((follower, sch.seq_id, row))
-        return got_token
+            token = result.sampled_token_ids[row]
+            req.all_token_ids.append(token)
+            req.num_output_placeholders -= 1
+            o = outputs.get(rid) or outputs.setdefault(rid, EngineCoreOutput(rid, []))
+            o.new_token_ids.append(token)
+            if result.logprobs and result.logprobs[row] is not None:
+                o.new_logprobs.append(result.logprobs[row])
+                o.new_sampled_logprobs.append(result.sampled_logprobs[row])
+            known = len(req.all_token_ids)  # placeholders of steps still in flight do not count yet
+            stop = check_stop(token, known - req.num_prompt_tokens, req.params, self.eos_token_ids,
+                              None, known, self.config.max_model_len)
+            if stop is not None:
+                self._finish(req, *stop)
+                o.finish_reason, o.stop_reason = stop
+        return list(outputs.values())
+
+
+__all__ = ["Scheduler", "FINISH_ABORT", "FINISH_LENGTH"]

@@ -2,13 +2,30 @@
 #
 # Technique: FlashDecoding (Dao, Haziza, Massa, Sizov 2023, "Flash-Decoding for long-context inference"): at decode a
 # sequence has one query token, so one program per (sequence, head) leaves most of the GPU idle when the batch is
-# small. The context is split into NUM_SPLITS chunks handled by separate programs, each keeps an online softmax
-# (FlashAttention, Dao et al. 2022) over its chunk and writes a partial output and its log-sum-exp; a second kernel
-# rescales and sums the partials. The paged layout follows PagedAttention (Kwon et al. 2023, vLLM).
+# small. The context is split over NUM_SPLITS programs, each keeps an online softmax (FlashAttention, Dao et al.
+# 2022) over its tiles and writes a partial output and its log-sum-exp; a second kernel rescales and sums the
+# partials. The paged layout follows PagedAttention (Kwon et al. 2023, vLLM).
 #
-# GQA without repeating K/V: one program owns one *KV head* and all GROUP = num_heads // num_kv_heads query heads
-# that share it, so each K/V tile is loaded once and used by every head of the group (the group is the M dimension
-# of tl.dot, padded to 16 rows).
+# Why it is shaped the way it is (batch 1, 1k tokens, Llama-2-7B: 16 MiB of K/V per layer, ~5 us at 3 TB/s):
+# - Enough programs to keep every multiprocessor busy in one wave: at batch 1 a program owns ~1 tile, so the time is
+#   one chain of dependent memory round trips (sequence length -> block table -> K/V) plus the bytes. Split s owns
+#   tiles s, s + S, s + 2S, ... (interleaved, not one contiguous chunk), so without a sliding window a program's first
+#   tile does not depend on the sequence length: its block-table entries are loaded at once, in parallel with the
+#   length, which removes one round trip from the chain; each later tile's entries are prefetched one tile ahead.
+# - MHA (GROUP == 1) needs no tl.dot: padding one query row to the 16 rows of an MMA wastes the tensor cores and,
+#   worse, routes K and V through shared memory to reach the MMA operand layout. The dot-free path computes
+#   q . k with elementwise products and a sum over head_dim (a reduction among the 16 lanes that hold one 256-byte
+#   row), and keeps the online softmax per tile row ("lane"): a running max, sum and [BLOCK_N, head_dim] accumulator
+#   for each row, so the loop has no cross-warp reduction at all; the rows are merged once at the end with the same
+#   log-sum-exp rule as the splits.
+# - GQA without repeating K/V: one program owns one *KV head* and all GROUP = num_heads // num_kv_heads query heads
+#   that share it, so each K/V tile is loaded once and used by every head of the group (the group is the M dimension
+#   of tl.dot, padded to 16 rows).
+# - Programmatic dependent launch (Hopper, PTX griddepcontrol), when pdl=True: the split kernel may start while the
+#   kernel before it drains, loading sequence lengths and block-table entries before it waits (griddepcontrol.wait)
+#   for that kernel's writes, and only then reads q and the cache; the reduce kernel starts early in the same way and
+#   waits before it reads the partials. So with pdl=True, seq_lens and block_tables must not be written by the kernel
+#   launched immediately before (q and kv_cache may be: that is where rotary embedding writes them).
 #
 # Shapes and invariants:
 #   q            [num_seqs, num_heads, head_dim]        one new token per sequence (its K/V already in the cache)
@@ -18,9 +35,8 @@
 # Query of sequence i sits at position seq_lens[i] - 1 and sees positions [max(0, seq_len - window), seq_len).
 # The kernel reads no host value that changes between steps (only num_splits, chosen from the batch shape), so a
 # decode step that calls it can be captured in a CUDA graph and replayed at any context length. num_splits is a
-# runtime argument (one compile serves every batch size). The partials are combined by a second small kernel; with
-# fused_reduce=True the last split program of each (sequence, KV head) does it instead (an atomic ticket, one launch),
-# which measured slower on an H200 (14.4 against 13.1 us per layer at batch 1, 1152 tokens), so it is off by default.
+# runtime argument (one compile serves every batch size). With fused_reduce=True the last split program of each
+# (sequence, KV head) combines the partials instead of a second kernel (an atomic ticket, one launch).
 from __future__ import annotations
 
 import math
@@ -30,12 +46,31 @@ import triton
 import triton.language as tl
 
 from rooflm.kernels._tl import dot, dot_upcast
-from rooflm.kernels._utils import check_last_dim_contiguous, device_sms, next_pow2
+from rooflm.kernels._utils import check_last_dim_contiguous, device_sms, interpreting, next_pow2
+
+try:  # griddepcontrol (programmatic dependent launch); absent from older Triton releases
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    _HAS_GDC = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    _HAS_GDC = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
 
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit
+def _row_offsets(blk, offs_n, kvh, stride_kb, stride_ks, stride_kh, BLOCK_SIZE: tl.constexpr):
+    return blk.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks + kvh * stride_kh
+
+
+@triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr,  # DIRECT: [num_seqs, num_heads, head_dim] in q's dtype; else partials [num_seqs, num_heads, S, D] fp32
@@ -43,7 +78,8 @@ def _decode_split_kernel(
     final_ptr,  # FUSED_REDUCE: [num_seqs, num_heads, head_dim] in q's dtype
     counter_ptr,  # FUSED_REDUCE: [num_seqs * num_kv_heads] int32, zero between launches
     qk_scale,  # softmax scale * log2(e)
-    window,  # sliding window in positions; 0 = none
+    window,  # sliding window in positions (read only when HAS_WINDOW)
+    max_tokens,  # block_tables.shape[1] * BLOCK_SIZE: the table entries that exist
     stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,  # cache strides: block, slot in block, kv head (shared by K and V)
     stride_bt,
@@ -52,8 +88,12 @@ def _decode_split_kernel(
     num_splits,
     DIRECT: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    USE_PDL: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block (page)
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    USE_DOT: tl.constexpr,  # False only for GROUP == 1: the dot-free path, GROUP_PAD == 1
+    LANES: tl.constexpr,  # dot-free: softmax state per tile row (no cross-warp reduction in the loop)
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
@@ -61,13 +101,24 @@ def _decode_split_kernel(
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if USE_PDL:
+        gdc_launch_dependents()  # the reduce kernel may be scheduled now; it waits for this grid before reading
 
+    # Prologue: nothing here is written by the kernel launched just before (see the header), so with PDL it overlaps
+    # that kernel's tail. The first tile's block-table entries do not depend on seq_len unless there is a window.
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    span = seq_len - start
-    chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
-    lo = start + split * chunk
-    hi = tl.minimum(lo + chunk, seq_len)
+    if HAS_WINDOW:
+        start = tl.maximum(seq_len - window, 0)
+    else:
+        start = 0
+    n_first = (start // BLOCK_N + split) * BLOCK_N
+    step = BLOCK_N * num_splits
+    bt_row = block_tables_ptr + seq * stride_bt
+    arange_n = tl.arange(0, BLOCK_N)
+    offs_n = n_first + arange_n
+    blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=offs_n < max_tokens, other=0)
+    if USE_PDL:
+        gdc_wait()  # q and the cache may come from the previous kernel (rotary embedding + cache write)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -77,27 +128,70 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [GROUP_PAD, HEAD_DIM_PAD]
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    bt_row = block_tables_ptr + seq * stride_bt
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < hi
-        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
-        row = blk * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks + kvh * stride_kh  # [BLOCK_N]
+    if USE_DOT:
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    elif LANES:  # per-row ("lane") softmax state, merged after the loop
+        qv = tl.sum(q.to(tl.float32), 0) * qk_scale  # [HEAD_DIM_PAD] (GROUP_PAD == 1)
+        m_r = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        l_r = tl.zeros([BLOCK_N], tl.float32)
+        acc_r = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
+    else:  # one softmax state for the head: scalar max and sum, [HEAD_DIM_PAD] accumulator
+        qv = tl.sum(q.to(tl.float32), 0) * qk_scale
+        m_s = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)
+        l_s = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
+        acc_v = tl.zeros([HEAD_DIM_PAD], tl.float32)
+    for n0 in range(n_first, seq_len, step):
+        offs_n = n0 + arange_n
+        mask_n = (offs_n < seq_len) & (offs_n >= start)
+        row = _row_offsets(blk, offs_n, kvh, stride_kb, stride_ks, stride_kh, BLOCK_SIZE)  # [BLOCK_N]
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D]
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # issued with K
-        s = dot(q, tl.trans(k), DOT_UPCAST) * qk_scale  # [GROUP_PAD, BLOCK_N]
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_UPCAST)
-        m_i = m_new
+        nxt = offs_n + step  # prefetch the next tile's block-table entries while K/V are in flight
+        blk = tl.load(bt_row + nxt // BLOCK_SIZE, mask=nxt < seq_len, other=0)
+        if USE_DOT:
+            s = dot(q, tl.trans(k), DOT_UPCAST) * qk_scale  # [GROUP_PAD, BLOCK_N]
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_UPCAST)
+            m_i = m_new
+        elif LANES:
+            s = tl.sum(k.to(tl.float32) * qv[None, :], 1)  # [BLOCK_N]
+            s = tl.where(mask_n, s, float("-inf"))
+            m_new = tl.maximum(m_r, s)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing stays at 0
+            alpha = tl.exp2(m_r - m_ref)
+            p = tl.exp2(s - m_ref)
+            l_r = l_r * alpha + p
+            acc_r = acc_r * alpha[:, None] + p[:, None] * v.to(tl.float32)
+            m_r = m_new
+        else:
+            s = tl.sum(k.to(tl.float32) * qv[None, :], 1)  # [BLOCK_N]
+            s = tl.where(mask_n, s, float("-inf"))
+            m_new = tl.maximum(m_s, tl.max(s, 0))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_s - m_ref)
+            p = tl.exp2(s - m_ref)
+            l_s = l_s * alpha + tl.sum(p, 0)
+            acc_v = acc_v * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
+            m_s = m_new
 
+    if not USE_DOT and not LANES:
+        l_i = tl.zeros([GROUP_PAD], tl.float32) + l_s
+        m_i = tl.zeros([GROUP_PAD], tl.float32) + m_s
+        acc = acc_v[None, :]
+    if not USE_DOT and LANES:  # merge the rows: the same rescale-and-sum as the split reduction
+        m_all = tl.max(m_r, 0)
+        m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+        w = tl.exp2(m_r - m_all)
+        l_i = tl.zeros([GROUP_PAD], tl.float32) + tl.sum(l_r * w, 0)
+        m_i = tl.zeros([GROUP_PAD], tl.float32) + m_all
+        acc = tl.sum(acc_r * w[:, None], 0)[None, :]
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     acc = acc / l_safe[:, None]
     o_mask = mask_g[:, None] & mask_d[None, :]
@@ -105,8 +199,9 @@ def _decode_split_kernel(
         o = out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
+        # an empty split writes only its lse (-inf); the reduction masks its partial, so it is never read
         o = out_ptr + seq * stride_os + heads[:, None] * stride_oh + split * stride_osplit + offs_d[None, :]
-        tl.store(o, acc, mask=o_mask)
+        tl.store(o, acc, mask=o_mask & ((n_first + 0 * offs_d[None, :]) < seq_len))
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         lse_rows = lse_ptr + (seq * (GROUP * tl.num_programs(1)) + heads) * num_splits
         tl.store(lse_rows + split, lse, mask=mask_g)
@@ -119,23 +214,41 @@ def _decode_split_kernel(
             counter = counter_ptr + seq * tl.num_programs(1) + kvh
             ticket = tl.atomic_add(counter, 1, sem="acq_rel")
             if ticket == num_splits - 1:
-                offs_s = tl.arange(0, SPLITS_PAD)
-                mask_s = offs_s < num_splits
-                for g in tl.static_range(GROUP):  # each head of the group: all its splits in one load
+                for g in tl.static_range(GROUP):
                     h = kvh * GROUP + g
-                    lse_h = tl.load(lse_ptr + (seq * (GROUP * tl.num_programs(1)) + h) * num_splits + offs_s,
-                                    mask=mask_s, other=float("-inf"), cache_modifier=".cg")
-                    m_h = tl.max(lse_h, 0)
-                    m_h = tl.where(m_h == float("-inf"), 0.0, m_h)
-                    w = tl.exp2(lse_h - m_h)  # [SPLITS_PAD]
-                    part = tl.load(out_ptr + seq * stride_os + h * stride_oh + offs_s[:, None] * stride_osplit
-                                   + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0,
-                                   cache_modifier=".cg")
-                    den = tl.sum(w, 0)
-                    res = tl.sum(part * w[:, None], 0) / tl.where(den > 0, den, 1.0)
-                    tl.store(final_ptr + seq * stride_fs + h * stride_fh + offs_d,
-                             res.to(final_ptr.dtype.element_ty), mask=mask_d)
+                    _combine(out_ptr + seq * stride_os + h * stride_oh,
+                             lse_ptr + (seq * (GROUP * tl.num_programs(1)) + h) * num_splits,
+                             final_ptr + seq * stride_fs + h * stride_fh, stride_osplit, num_splits,
+                             SPLITS_PAD, HEAD_DIM, HEAD_DIM_PAD, True)
                 tl.atomic_xchg(counter, 0)  # ready for the next launch (and the next CUDA-graph replay)
+
+
+@triton.jit
+def _combine(part_row, lse_row, out_row, stride_psplit, num_splits,
+             SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BYPASS_L1: tl.constexpr):
+    """out = sum_s 2^(lse_s - m) * part_s / sum_s 2^(lse_s - m) for one (sequence, head); splits with lse = -inf (no
+    tokens) are masked out, so their partial rows may hold anything."""
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask_d = offs_d < HEAD_DIM
+    if BYPASS_L1:  # written by other programs of this launch: read through L2
+        lse = tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf"), cache_modifier=".cg")
+    else:
+        lse = tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    live = lse > float("-inf")
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # an empty context (seq_len 0) gives zeros, never NaN
+    w = tl.where(live, tl.exp2(lse - m), 0.0)  # [SPLITS_PAD]
+    p_mask = live[:, None] & mask_d[None, :]
+    p_ptr = part_row + offs_s[:, None] * stride_psplit + offs_d[None, :]
+    if BYPASS_L1:
+        part = tl.load(p_ptr, mask=p_mask, other=0.0, cache_modifier=".cg")
+    else:
+        part = tl.load(p_ptr, mask=p_mask, other=0.0)
+    num = tl.sum(part * w[:, None], 0)
+    den = tl.sum(w, 0)
+    den = tl.where(den > 0, den, 1.0)
+    tl.store(out_row + offs_d, (num / den).to(out_row.dtype.element_ty), mask=mask_d)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -144,26 +257,17 @@ def _decode_reduce_kernel(
     stride_ps, stride_ph, stride_psplit,
     stride_os, stride_oh,
     num_heads, num_splits,
+    USE_PDL: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    mask_s = offs_s < num_splits
-    mask_d = offs_d < HEAD_DIM
-    lse = tl.load(lse_ptr + (seq * num_heads + head) * num_splits + offs_s, mask=mask_s, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # an empty context (seq_len 0) gives zeros, never NaN
-    w = tl.exp2(lse - m)  # [SPLITS_PAD]
-    part = tl.load(part_ptr + seq * stride_ps + head * stride_ph + offs_s[:, None] * stride_psplit + offs_d[None, :],
-                   mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    num = tl.sum(part * w[:, None], 0)
-    den = tl.sum(w, 0)
-    den = tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, (num / den).to(out_ptr.dtype.element_ty),
-             mask=mask_d)
+    if USE_PDL:
+        gdc_wait()  # the partials come from the split kernel, which may still be running
+    _combine(part_ptr + seq * stride_ps + head * stride_ph, lse_ptr + (seq * num_heads + head) * num_splits,
+             out_ptr + seq * stride_os + head * stride_oh, stride_psplit, num_splits,
+             SPLITS_PAD, HEAD_DIM, HEAD_DIM_PAD, False)
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -180,11 +284,20 @@ def _counter_buffer(device: torch.device, n: int) -> torch.Tensor | None:
     return buf
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
-    """Enough (sequence, KV head, split) programs for about two waves over the multiprocessors. Depends on the
-    batch shape only, so a captured CUDA graph keeps its value for every context length."""
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch needs a Hopper-or-newer GPU and a Triton with griddepcontrol."""
+    if device.type != "cuda" or interpreting() or not _HAS_GDC:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 32,
+                       waves: float = 4.0) -> int:
+    """About ``waves`` (sequence, KV head, split) programs per multiprocessor: a program holds few registers and
+    its loads are one or two tiles, so several resident programs per multiprocessor keep enough bytes in flight.
+    Depends on the batch shape only, so a captured CUDA graph keeps its value for every context length."""
     programs = max(1, num_seqs * num_kv_heads)
-    return max(1, min(max_splits, math.ceil(2 * num_sms / programs)))
+    return max(1, min(max_splits, math.ceil(waves * num_sms / programs)))
 
 
 def paged_decode_attention(
@@ -198,7 +311,15 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     block_n: int | None = None,
     fused_reduce: bool = False,
+    pdl: bool = False,
+    use_dot: bool | None = None,
+    lanes: bool = False,
+    num_warps: int | None = None,
+    num_stages: int = 2,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """Decode attention over a paged KV cache. ``pdl`` launches with programmatic dependent launch where supported
+    (see the module header for what it requires of the preceding kernel); ``use_dot`` None picks tl.dot for GQA and
+    the dot-free path for MHA (True forces tl.dot; False is only valid for MHA)."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
     if cache_dim != head_dim or num_heads % num_kv_heads:
@@ -206,20 +327,28 @@ def paged_decode_attention(
     check_last_dim_contiguous("q", q)
     check_last_dim_contiguous("kv_cache", kv_cache)
     group = num_heads // num_kv_heads
+    if use_dot is None:
+        use_dot = group > 1
+    if not use_dot and group > 1:
+        raise ValueError(f"use_dot=False needs num_heads == num_kv_heads; got {num_heads} and {num_kv_heads}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if out is None:
         out = torch.empty_like(q)
     if num_seqs == 0:
         return out
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, num_kv_heads, device_sms(q))
+    use_pdl = bool(pdl) and pdl_supported(q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     head_dim_pad = max(16, next_pow2(head_dim))
     if block_n is None:
         block_n = 64 if head_dim_pad <= 128 else 32
-    group_pad = max(16, next_pow2(group))
+    group_pad = max(16, next_pow2(group)) if use_dot else 1
     qk_scale = float(scale) * _LOG2E
     window = int(sliding_window or 0)
     direct = num_splits == 1
+    splits_pad = max(16, next_pow2(num_splits))
     if direct:
         part, lse = out, out  # lse unused
         strides_o = (out.stride(0), out.stride(1), 0)
@@ -229,22 +358,24 @@ def paged_decode_attention(
         strides_o = (part.stride(0), part.stride(1), part.stride(2))
     counters = _counter_buffer(q.device, num_seqs * num_kv_heads) if fused_reduce and not direct else None
     fused = counters is not None
+    launch = {"launch_pdl": True} if use_pdl else {}
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part, lse, out, counters if fused else seq_lens, qk_scale,
-        window,
+        window, block_tables.shape[1] * block_size,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         *strides_o, out.stride(0), out.stride(1), num_splits,
-        DIRECT=direct, FUSED_REDUCE=fused, SPLITS_PAD=max(16, next_pow2(num_splits)), BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad,
+        DIRECT=direct, FUSED_REDUCE=fused, SPLITS_PAD=splits_pad if fused else 1, HAS_WINDOW=window > 0, USE_PDL=use_pdl,
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, USE_DOT=use_dot, LANES=lanes,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n, DOT_UPCAST=dot_upcast(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=num_warps or 4, num_stages=num_stages, **launch,
     )
     if not direct and not fused:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part, lse, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1), num_heads,
-            num_splits, SPLITS_PAD=max(16, next_pow2(num_splits)), HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad, num_warps=4,
+            num_splits, USE_PDL=use_pdl, SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            num_warps=4, **launch,
         )
     return out
 

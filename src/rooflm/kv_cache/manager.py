@@ -93,17 +93,29 @@ class KVCacheManager:
             return [], 0
         bs = self.block_size
         max_blocks = max(0, (len(token_ids) - 1) // bs)
-        hits: list[KVBlock] = []
+        hashes: list[int] = []
         parent: int | None = None
         for i in range(max_blocks):
             parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
-            block = self.block_pool.get_cached_block(parent)
+            hashes.append(parent)
+        return self.get_computed_blocks_by_hash(hashes, len(token_ids), record)
+
+    def get_computed_blocks_by_hash(self, block_hashes: Sequence[int], num_tokens: int,
+                                    record: bool = True) -> tuple[list[KVBlock], int]:
+        """``get_computed_blocks`` for a sequence of ``num_tokens`` tokens whose full blocks' chained hashes are
+        already known (a request hashes its blocks once, not at every admission attempt)."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = min(len(block_hashes), max(0, (num_tokens - 1) // self.block_size))
+        hits: list[KVBlock] = []
+        for i in range(max_blocks):
+            block = self.block_pool.get_cached_block(block_hashes[i])
             if block is None:
                 break
             hits.append(block)
-        num_cached_tokens = len(hits) * bs
+        num_cached_tokens = len(hits) * self.block_size
         if record:
-            self.record_lookup(len(token_ids), num_cached_tokens)
+            self.record_lookup(num_tokens, num_cached_tokens)
         return hits, num_cached_tokens
 
     def record_lookup(self, num_tokens: int, num_cached_tokens: int) -> None:
@@ -218,10 +230,13 @@ class KVCacheManager:
 
     # ---- prefix registration ----------------------------------------------------------------------------------
 
-    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                          block_hashes: Sequence[int] | None = None) -> None:
         """Register every full block within the first `num_computed_tokens` tokens not registered yet.
 
-        Incremental: only blocks past the sequence's cached count are hashed, chained from its last hash.
+        Incremental: only blocks past the sequence's cached count are hashed, chained from its last hash. With
+        ``block_hashes`` (the chained hashes of the sequence's full blocks, computed once by its owner) nothing is
+        hashed here.
         """
         if not self.enable_prefix_caching:
             return
@@ -238,7 +253,10 @@ class KVCacheManager:
             return
         parent = self._last_block_hash[seq_id]
         for i in range(start, num_full):
-            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            if block_hashes is not None:
+                parent = block_hashes[i]
+            else:
+                parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             # A duplicate (the same prefix already cached by another block) is left uncached; the chain goes on
             # with the hash value, so the blocks after it are still registered.
             self.block_pool.cache_block(table[i], parent)
@@ -280,9 +298,14 @@ class KVCacheManager:
         except KeyError:
             raise KeyError(f"KVCacheManager: no block table for sequence {seq_id!r}") from None
 
-    def get_block_ids(self, seq_id: str) -> list[int]:
-        """The block ids of the sequence's table, in token order. KeyError for an unknown sequence."""
-        return [b.block_id for b in self._table(seq_id)]
+    def get_block_ids(self, seq_id: str, start: int = 0) -> list[int]:
+        """The block ids of the sequence's table from index ``start`` on, in token order. KeyError for an unknown
+        sequence."""
+        table = self._table(seq_id)
+        return [table[i].block_id for i in range(start, len(table))]
+
+    def num_table_blocks(self, seq_id: str) -> int:
+        return len(self._table(seq_id))
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Return and clear the queued (src_block_id, dst_block_id) copies; run them in order before the forward."""

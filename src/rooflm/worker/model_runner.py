@@ -1,13 +1,18 @@
-"""The model runner: turns a ``SchedulerOutput`` into one forward pass and samples.
+"""The model runner: turns a ``SchedulerOutput`` into one forward pass and samples, without waiting for the device.
 
 All tokens scheduled in a step are packed into one flat batch with no padding:
-``input_ids``/``positions``/``slot_mapping`` are ``[num_tokens]``; the attention metadata says where each sequence's
+``input_ids``/``positions``/``slot_mapping`` are ``[num_tokens]``; the attention metadata says where each request's
 tokens start and how long its context is. Logits are computed only where they are needed: the last token of a
-chunk that reaches the end of its sequence (to sample), or every prompt position when prompt logprobs are asked.
+chunk that reaches the end of its request's tokens (to sample), or every prompt position when prompt logprobs are
+asked.
+
+``execute`` returns a ``StepHandle`` as soon as the step's work is queued on the device; ``StepHandle.get()`` waits
+for it and reads the results back. Sampled ids also stay on the device (``InputBatch.last_token``), where the next
+step's inputs are gathered from, so the engine can schedule and prepare step N+1 while step N runs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Collection
 
 import numpy as np
 import torch
@@ -15,17 +20,10 @@ from torch import nn
 
 from rooflm.attention.backend import AttentionMetadata
 from rooflm.config import ModelConfig
-from rooflm.engine.sched_output import ScheduledSeq, SchedulerOutput
+from rooflm.engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from rooflm.engine.stop_checker import banned_token_ids
 from rooflm.layers.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs, logprobs_to_dicts
-
-
-@dataclass
-class SeqResult:
-    sampled: list[int] = field(default_factory=list)  # one token per row
-    logprobs: list[dict[int, float]] = field(default_factory=list)  # per row, when asked
-    sampled_logprobs: list[float] = field(default_factory=list)  # per row: logprob of the sampled token
-    # prompt logprobs of the chunk: (prompt position, {token: logprob}) for positions >= 1
-    prompt_logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)
+from rooflm.worker.input_batch import CachedRequestState, InputBatch
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -34,68 +32,159 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
+class StepHandle:
+    """One step's results, still on the device until ``get()``."""
+
+    def __init__(self, req_ids: list[str], sampled: torch.Tensor | None, lp_ids: torch.Tensor | None,
+                 lp_vals: torch.Tensor | None, want_logprobs: list[int | None],
+                 prompt_lp: list[tuple[str, list[int], int, torch.Tensor, torch.Tensor]], device: torch.device) -> None:
+        self.req_ids = req_ids
+        self._want = want_logprobs
+        self._prompt_lp = prompt_lp
+        self._result: ModelRunnerOutput | None = None
+        self._event = None
+        pin = device.type == "cuda"
+        # Start the device-to-host copies now (pinned, non-blocking); get() waits on one event.
+        self._sampled = _to_host(sampled, pin)
+        self._lp_ids = _to_host(lp_ids, pin)
+        self._lp_vals = _to_host(lp_vals, pin)
+        self._plp = [(rid, pos, k, _to_host(i, pin), _to_host(v, pin)) for rid, pos, k, i, v in prompt_lp]
+        if pin:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def get(self) -> ModelRunnerOutput:
+        if self._result is not None:
+            return self._result
+        if self._event is not None:
+            self._event.synchronize()
+        out = ModelRunnerOutput(self.req_ids, self._sampled.tolist() if self._sampled is not None else [])
+        if self._lp_ids is not None:
+            dicts = logprobs_to_dicts(self._lp_ids, self._lp_vals, [k or 0 for k in self._want])
+            chosen = self._lp_vals[:, 0].tolist()
+            out.logprobs = [d if k is not None else None for d, k in zip(dicts, self._want)]
+            out.sampled_logprobs = [c if k is not None else None for c, k in zip(chosen, self._want)]
+        for rid, positions, k, ids, vals in self._plp:
+            dicts = logprobs_to_dicts(ids, vals, [k] * len(positions))  # the actual prompt token always present
+            out.prompt_logprobs.setdefault(rid, []).extend((p + 1, d) for p, d in zip(positions, dicts))
+        self._result = out
+        return out
+
+
+def _to_host(t: torch.Tensor | None, pin: bool) -> torch.Tensor | None:
+    if t is None or not pin:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, max_num_seqs: int, max_model_len: int,
+                 eos_token_ids: Collection[int] = ()) -> None:
         self.model = model
         self.cfg = model_config
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.eos_token_ids = frozenset(eos_token_ids)
         # One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
         shape = (2, num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(model_config.num_hidden_layers)]
+        self.max_blocks_per_seq = min(num_blocks, -(-max_model_len // block_size))
+        self.batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, model_config.vocab_size, device)
         self.sampler = Sampler()
         self._pin = device.type == "cuda"  # pinned host buffers for the per-step inputs
-        self.num_block_copies = 0  # copy-on-write copies done (n > 1 samples sharing a partly filled block)
-        self.graph_runner = None  # set by the CUDA-graph capture for decode steps (worker/cuda_graphs.py)
+        self.num_block_copies = 0
+        self.graph_runner = None  # decode CUDA graphs (worker/cuda_graphs.py), set by capture_graphs()
+
+    def capture_graphs(self, max_num_seqs: int) -> None:
+        """Capture decode CUDA graphs (the runner's one graph-or-eager choice is made per step in ``execute``)."""
+        from rooflm.worker.cuda_graphs import capture_decode_graphs
+
+        self.graph_runner = capture_decode_graphs(self, max_num_seqs)
+
+    # -- state ------------------------------------------------------------------------------------------------------
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for rid in out.finished_req_ids:
+            self.batch.remove(rid)
+        for rid in out.preempted_req_ids:
+            self.batch.remove(rid)
+        for new in out.new_reqs:
+            self.batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.params, new.generator,
+                           new.block_ids, new.num_computed_tokens)
+        for c in out.cached_reqs:
+            self.batch.append_blocks(c.req_id, c.new_block_ids)
 
     # -- inputs -----------------------------------------------------------------------------------------------------
-    def _prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare(self, out: SchedulerOutput):
         bs = self.block_size
-        n_seq = len(scheduled)
+        reqs = self.batch.reqs
+        sampling = set(out.sampling_req_ids)
+        states: list[CachedRequestState] = []
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         starts = [0]
         seq_lens: list[int] = []
-        max_blocks = max(len(s.block_ids) for s in scheduled)
-        tables = np.zeros((n_seq, max_blocks), dtype=np.int64)  # padded with block 0
-        for i, s in enumerate(scheduled):
-            start, table = s.num_computed_tokens, s.block_ids
-            end = start + s.num_new_tokens
-            input_ids += s.token_ids
-            if end - start == 1:  # a decode: the common case, kept cheap
+        rows: list[int] = []
+        dev_idx: list[int] = []  # flat positions whose token is the row's last sampled one (still on the device)
+        dev_rows: list[int] = []
+        sample_idx: list[int] = []  # flat index of the last token of each sampling request
+        for rid, n in out.num_scheduled_tokens.items():
+            s = reqs[rid]
+            start, end = s.num_computed_tokens, s.num_computed_tokens + n
+            known = len(s.token_ids)
+            if start >= known:  # a decode of the token sampled last: gathered on the device
+                if n != 1:
+                    raise RuntimeError(f"request {rid!r}: {n} tokens scheduled past its {known} known tokens")
+                dev_idx.append(len(input_ids))
+                dev_rows.append(s.row)
+                input_ids.append(0)
                 positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
             else:
+                input_ids += s.token_ids[start:end]
                 positions += range(start, end)
-                slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            starts.append(starts[-1] + end - start)
+            starts.append(len(input_ids))
             seq_lens.append(end)
-            tables[i, : len(table)] = table
+            rows.append(s.row)
+            if rid in sampling:
+                if end != s.num_tokens:
+                    raise RuntimeError(f"request {rid!r} samples at {end} but holds {s.num_tokens} tokens")
+                sample_idx.append(len(input_ids) - 1)
+            states.append(s)
+        n_tok, n_seq = len(input_ids), len(states)
+        table = self.batch.block_table[rows]  # [n_seq, max_blocks]
+        width = max(1, -(-max(seq_lens) // bs))
+        table = table[:, :width]
+        pos = np.asarray(positions, dtype=np.int64)
+        seq_of_tok = np.repeat(np.arange(n_seq), np.diff(np.asarray(starts)))
+        slots = table[seq_of_tok, pos // bs] * bs + pos % bs
         # One host buffer, one host-to-device copy (pinned on CUDA, so it does not stall the host):
-        # [input_ids | positions | slot_mapping | query_start_loc | seq_lens | block_tables (row-major)]
-        n_tok = len(input_ids)
-        host = torch.from_numpy(np.concatenate(
-            [np.array(input_ids + positions + slots + starts + seq_lens, dtype=np.int64), tables.ravel()]))
+        # [input_ids | positions | slot_mapping | query_start_loc | seq_lens | dev_idx | dev_rows | rows | table]
+        host = torch.from_numpy(np.concatenate([
+            np.asarray(input_ids + positions, dtype=np.int64), slots,
+            np.asarray(starts + seq_lens + dev_idx + dev_rows + rows, dtype=np.int64), table.ravel()]))
         if self._pin:
             host = host.pin_memory()
         flat = host.to(self.device, non_blocking=True)
-        ids, pos, slot_mapping, qsl, lens, tbl = flat.split([n_tok, n_tok, n_tok, n_seq + 1, n_seq, n_seq * max_blocks])
+        ids, pos_t, slot_mapping, qsl, lens, d_idx, d_rows, rows_t, tbl = flat.split(
+            [n_tok, n_tok, n_tok, n_seq + 1, n_seq, len(dev_idx), len(dev_rows), n_seq, n_seq * width])
+        if dev_idx:
+            ids.index_copy_(0, d_idx, self.batch.last_token.index_select(0, d_rows))
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=qsl.to(torch.int32),
             seq_lens=lens.to(torch.int32),
-            block_tables=tbl.view(n_seq, max_blocks).to(torch.int32),
-            max_query_len=max(s.num_new_tokens for s in scheduled),
+            block_tables=tbl.view(n_seq, width).to(torch.int32),
+            max_query_len=max(starts[i + 1] - starts[i] for i in range(n_seq)),
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
         )
-        return ids, pos, meta
+        return states, ids, pos_t, meta, sample_idx, rows_t
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -108,71 +197,102 @@ class ModelRunner:
 
     # -- one step -----------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SeqResult]:
+    def execute(self, out: SchedulerOutput) -> StepHandle:
+        self._update_states(out)
         self._copy_blocks(out.blocks_to_copy)
-        scheduled = out.scheduled
-        ids, pos, meta = self._prepare(scheduled)
+        states, ids, pos, meta, sample_idx, rows_t = self._prepare(out)
         graph_logits = None
         if self.graph_runner is not None and self.graph_runner.can_run(meta):
             hidden = self.graph_runner.run(ids, pos, meta)
-            graph_logits = self.graph_runner.logits  # [num_seqs, vocab]: the LM head is in the graph too (issue 5)
+            graph_logits = self.graph_runner.logits  # [num_seqs, vocab]: the LM head is in the graph too
         else:
             hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
+        prompt_lp = self._prompt_logprobs(states, out, hidden, meta)
 
-        results: dict[str, SeqResult] = {s.seq_id: SeqResult() for s in scheduled}
-        self._prompt_logprobs(scheduled, hidden, meta, results)
-
-        # Sampling rows: the last token of every chunk that reaches its sequence's end (repeated for forks).
-        sample_seqs = [(i, s) for i, s in enumerate(scheduled) if s.sample]
-        if not sample_seqs:
-            return results
-        if graph_logits is not None and len(sample_seqs) == len(scheduled):
-            logits = graph_logits  # a decode step: one row per sequence, every sequence samples
+        sample_set = set(out.sampling_req_ids)
+        sample_pos = [i for i, s in enumerate(states) if s.req_id in sample_set]
+        sampling = [states[i] for i in sample_pos]
+        for s in states:
+            s.num_computed_tokens += out.num_scheduled_tokens[s.req_id]
+        if not sampling:
+            return StepHandle([], None, None, None, [], prompt_lp, self.device)
+        if graph_logits is not None and len(sampling) == len(states):
+            logits = graph_logits  # a decode step: one row per request, every request samples
+            rows = rows_t
         else:
-            last_idx = torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i, _ in sample_seqs],
-                                    device=self.device)
-            logits = self.model.compute_logits(hidden[last_idx])  # [num_sampling_seqs, vocab] float32
-        if any(len(s.generators) > 1 for _, s in sample_seqs):  # decided on the host: no device sync (issue 5)
-            reps = torch.tensor([len(s.generators) for _, s in sample_seqs], device=self.device)
-            logits = logits.repeat_interleave(reps, dim=0)
-        rows = [(s, r) for _, s in sample_seqs for r in range(len(s.generators))]
-        md = SamplingMetadata.from_params(
-            [s.params for s, _ in rows],
-            output_token_ids=[s.output_token_ids[r] for s, r in rows],
-            prompt_token_ids=[s.prompt_token_ids for s, _ in rows],
-            generators=[s.generators[r] for s, r in rows],
-            device=self.device,
-            banned_token_ids=[s.ban_token_ids for s, _ in rows],  # EOS / stop ids while under min_tokens
-        )
+            idx = torch.tensor(sample_idx, device=self.device)
+            logits = self.model.compute_logits(hidden[idx])  # [num_sampling, vocab] float32
+            rows = rows_t if len(sample_pos) == len(states) else rows_t[torch.tensor(sample_pos, device=self.device)]
+        md, penalty_rows, penalty_index = self._sampling_metadata(sampling, rows)
         so = self.sampler(logits, md)
-        tokens = so.sampled_token_ids.tolist()
-        want = [s.params.logprobs for s, _ in rows]
-        lp_dicts = None
-        if so.logprobs is not None:
-            lp_dicts = logprobs_to_dicts(so.logprob_token_ids, so.logprobs, [k or 0 for k in want])
-            chosen_lp = so.logprobs[:, 0].tolist()
-        for row, (s, _) in enumerate(rows):
-            res = results[s.seq_id]
-            res.sampled.append(tokens[row])
-            if lp_dicts is not None and want[row] is not None:
-                res.logprobs.append(lp_dicts[row])
-                res.sampled_logprobs.append(chosen_lp[row])
-        return results
+        for st in sampling:
+            st.num_tokens += 1
+        self.batch.record_sampled(rows, so.sampled_token_ids, penalty_rows, penalty_index)
+        want = [s.params.logprobs for s in sampling]
+        return StepHandle([s.req_id for s in sampling], so.sampled_token_ids, so.logprob_token_ids, so.logprobs,
+                          want, prompt_lp, self.device)
 
-    def _prompt_logprobs(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor, meta: AttentionMetadata,
-                         results: dict[str, SeqResult]) -> None:
+    def _sampling_metadata(self, sampling: list[CachedRequestState], rows: torch.Tensor):
+        params = [s.params for s in sampling]
+        # Banned ids while under min_tokens: decided by the runner's own count of sampled tokens (the scheduler's
+        # host copy may lag a step behind under asynchronous scheduling).
+        banned = [banned_token_ids(s.num_output_tokens, s.params, self.eos_token_ids) for s in sampling]
+        md = SamplingMetadata.from_params(params, [[] for _ in sampling], [[] for _ in sampling],
+                                          [s.generator for s in sampling], self.device, banned)
+        penalty_pos = [i for i, s in enumerate(sampling) if s.penalties]
+        penalty_rows = [sampling[i].row for i in penalty_pos]
+        penalty_index = None
+        if penalty_pos:
+            penalty_index = torch.tensor(penalty_pos, device=self.device)
+            b = self.batch
+            md.output_token_counts = b.output_counts.index_select(0, rows)
+            md.prompt_token_mask = b.prompt_mask.index_select(0, rows)
+        return md, penalty_rows, penalty_index
+
+    def _prompt_logprobs(self, states: list[CachedRequestState], out: SchedulerOutput, hidden: torch.Tensor,
+                         meta: AttentionMetadata) -> list:
         """Prompt token p (>= 1) gets log P(prompt[p] | prompt[:p]) from the hidden state at position p - 1."""
-        for i, s in enumerate(scheduled):
-            if not s.prompt_logprobs:
+        result = []
+        for i, s in enumerate(states):
+            if s.params.prompt_logprobs is None:
                 continue
-            prompt = s.prompt_token_ids
             start = s.num_computed_tokens
-            positions = range(start, min(start + s.num_new_tokens, len(prompt) - 1))
+            positions = list(range(start, min(start + out.num_scheduled_tokens[s.req_id], s.num_prompt_tokens - 1)))
             if not positions:
                 continue
             rows = torch.tensor([meta.query_start_loc_cpu[i] + p - start for p in positions], device=self.device)
-            targets = torch.tensor([prompt[p + 1] for p in positions], device=self.device)
+            targets = torch.tensor([s.token_ids[p + 1] for p in positions], device=self.device)
             k = s.params.prompt_logprobs or 0
             ids, vals = compute_prompt_logprobs(self.model.compute_logits(hidden[rows]), targets, k)
-            dicts = logprobs_to_dicts(ids, vals, [k] * len(positions))  # the actual prompt token always present
-            results[s.seq_id].prompt_logprobs.extend((p + 1, d) for p, d in zip(positions, dicts))
+            result.append((s.req_id, positions, k, ids, vals))
+        return result
+
+
+@torch.inference_mode()
+def profile_activation_bytes(model: nn.Module, cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
+                             block_size: int, device: torch.device, dtype: torch.dtype) -> int:
+    """Peak device memory, beyond what is allocated now, of one forward pass over ``max_num_batched_tokens`` prompt
+    tokens plus the logits and sampling of ``max_num_seqs`` rows: the activation room the KV pool must leave free.
+    The scratch KV cache of the pass is not counted (the real pool replaces it)."""
+    from rooflm.attention.metadata_utils import build_attention_metadata
+
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    num_tokens = max_num_batched_tokens
+    num_blocks = -(-num_tokens // block_size)
+    shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+    cache_bytes = sum(c.numel() * c.element_size() for c in caches)
+    meta, positions = build_attention_metadata([list(range(num_blocks))], [0], [num_tokens], block_size, device)
+    ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    hidden = model(ids, positions, caches, meta)
+    rows = hidden[-1:].expand(max_num_seqs, -1).contiguous()
+    logits = model.compute_logits(rows)
+    torch.softmax(logits, dim=-1).argmax(dim=-1)  # the sampler's [rows, vocab] float32 temporaries
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base - cache_bytes
+    del caches, hidden, logits, rows
+    torch.cuda.empty_cache()
+    return max(0, int(peak))

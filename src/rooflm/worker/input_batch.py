@@ -1,0 +1,128 @@
+"""The runner's persistent batch: per-request state that crossed from the scheduler once, updated in place.
+
+Each request the runner holds owns a *row* (a slot in the persistent tensors) from admission until it finishes or is
+preempted (vLLM v1's ``InputBatch``). Per row:
+- the host block table (numpy, ``[max_rows, max_blocks]``), extended with the ids each step adds;
+- ``last_token`` on the device: the token the row sampled last. Decode inputs are gathered from it on the device,
+  so a sampled token feeds the next step without a round trip through the host (asynchronous scheduling);
+- the sampling parameters as a device table ``[7, max_rows]``, written once per request;
+- for rows with repetition/presence/frequency penalties only: generated-token counts and a prompt-token mask on the
+  device (``[max_rows, vocab]``, allocated on first use), updated after each step from the sampled ids.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rooflm.sampling_params import SamplingParams
+
+_PARAM_ROWS = 7  # temperature, top_k, top_p, min_p, repetition, presence, frequency
+
+
+def param_column(p: SamplingParams) -> list[float]:
+    greedy = p.greedy or p.top_k == 1
+    return [0.0 if greedy else float(p.temperature), float(p.top_k), float(p.top_p), float(p.min_p),
+            float(p.repetition_penalty), float(p.presence_penalty), float(p.frequency_penalty)]
+
+
+def has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # known when the request (re)entered the runner; later samples live in last_token
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_tokens: int  # known tokens + tokens sampled since
+    row: int
+    penalties: bool
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+
+class InputBatch:
+    def __init__(self, max_rows: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device) -> None:
+        self.max_rows = max_rows
+        self.vocab_size = vocab_size
+        self.device = device
+        self.reqs: dict[str, CachedRequestState] = {}
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+        self.block_table = np.zeros((max_rows, max_blocks_per_seq), dtype=np.int64)
+        self.last_token = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.params = torch.zeros(_PARAM_ROWS, max_rows, dtype=torch.float32, device=device)
+        self.output_counts: torch.Tensor | None = None  # [max_rows, vocab] float32, rows with penalties only
+        self.prompt_mask: torch.Tensor | None = None  # [max_rows, vocab] bool
+        self._pin = device.type == "cuda"
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self._pin:
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def add(self, req_id: str, token_ids: list[int], num_prompt_tokens: int, params: SamplingParams,
+            generator: torch.Generator | None, block_ids: list[int], num_computed_tokens: int) -> CachedRequestState:
+        if req_id in self.reqs:
+            raise ValueError(f"the runner already holds request {req_id!r}")
+        if not self._free_rows:
+            raise RuntimeError(f"the runner's batch is full ({self.max_rows} rows)")
+        if len(block_ids) > self.block_table.shape[1]:
+            raise ValueError(f"request {req_id!r} has {len(block_ids)} blocks, more than max_blocks_per_seq="
+                             f"{self.block_table.shape[1]}")
+        row = self._free_rows.pop()
+        state = CachedRequestState(req_id, token_ids, num_prompt_tokens, params, generator, list(block_ids),
+                                   num_computed_tokens, len(token_ids), row, has_penalties(params))
+        self.block_table[row, :len(block_ids)] = block_ids
+        self.params[:, row] = self._to_device(torch.tensor(param_column(params), dtype=torch.float32))
+        if state.penalties:
+            self._init_penalty_row(state)
+        self.reqs[req_id] = state
+        return state
+
+    def _init_penalty_row(self, s: CachedRequestState) -> None:
+        if self.output_counts is None:
+            self.output_counts = torch.zeros(self.max_rows, self.vocab_size, dtype=torch.float32, device=self.device)
+            self.prompt_mask = torch.zeros(self.max_rows, self.vocab_size, dtype=torch.bool, device=self.device)
+        counts = torch.zeros(self.vocab_size + 1, dtype=torch.float32)
+        mask = torch.zeros(self.vocab_size + 1, dtype=torch.bool)
+        # Out-of-vocabulary ids land in a scratch column that is dropped.
+        prompt = torch.tensor(s.token_ids[:s.num_prompt_tokens], dtype=torch.int64).clamp_(max=self.vocab_size)
+        outputs = torch.tensor(s.token_ids[s.num_prompt_tokens:], dtype=torch.int64).clamp_(max=self.vocab_size)
+        mask[prompt] = True
+        counts.scatter_add_(0, outputs, torch.ones(len(outputs)))
+        self.output_counts[s.row] = self._to_device(counts[:-1])
+        self.prompt_mask[s.row] = self._to_device(mask[:-1])
+
+    def append_blocks(self, req_id: str, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        s = self.reqs[req_id]
+        n = len(s.block_ids)
+        if n + len(block_ids) > self.block_table.shape[1]:
+            raise ValueError(f"request {req_id!r} would hold {n + len(block_ids)} blocks, more than "
+                             f"max_blocks_per_seq={self.block_table.shape[1]}")
+        self.block_table[s.row, n:n + len(block_ids)] = block_ids
+        s.block_ids.extend(block_ids)
+
+    def remove(self, req_id: str) -> None:
+        s = self.reqs.pop(req_id, None)
+        if s is not None:
+            self._free_rows.append(s.row)
+
+    def record_sampled(self, rows: torch.Tensor, sampled: torch.Tensor, penalty_rows: list[int],
+                       penalty_index: torch.Tensor | None) -> None:
+        """After sampling (device tensors, no sync): ``last_token[rows] = sampled``; penalty rows count their token.
+        ``penalty_index`` selects, among the sampled rows, those with penalties (persistent rows ``penalty_rows``)."""
+        self.last_token.index_copy_(0, rows, sampled)
+        if penalty_rows and self.output_counts is not None and penalty_index is not None:
+            prow = rows.index_select(0, penalty_index)
+            ptok = sampled.index_select(0, penalty_index)
+            self.output_counts.index_put_((prow, ptok), torch.ones_like(ptok, dtype=torch.float32), accumulate=True)
