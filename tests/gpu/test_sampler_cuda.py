@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -13,11 +15,17 @@ from rooflm.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-# The CPU test module's helpers (reference probabilities, chi-square check, seeded runs).
-_spec = importlib.util.spec_from_file_location("_cpu_sampler_tests",
-                                               Path(__file__).parent.parent / "unit" / "test_sampler.py")
-_cpu = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_cpu)
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"_cpu_{name}", Path(__file__).parent.parent / "unit" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The CPU test modules' helpers (reference probabilities, chi-square check, seeded runs, the matrix of row mixes).
+_cpu, _no_sync = _load("test_sampler"), _load("test_sampler_no_sync")
 run_steps, sampler, LOGITS6 = _cpu.run_steps, _cpu.sampler, _cpu.LOGITS6
 ref_probs, assert_frequencies_match = _cpu.ref_probs, _cpu.assert_frequencies_match
 
@@ -46,3 +54,31 @@ def test_runs_unchanged_on_cuda():
     big = torch.tensor(LOGITS6, dtype=torch.float32, device=dev).repeat(draws, 1)
     tokens = sampler(big, md_on([SamplingParams(**case)] * draws)).sampled_token_ids.cpu().numpy()
     assert_frequencies_match(np.bincount(tokens, minlength=6), ref_probs(LOGITS6, **case))
+
+
+@contextmanager
+def cuda_sync_is_an_error() -> Iterator[None]:
+    """Any synchronising CUDA call (a device-to-host copy, a blocking host-to-device copy, a stream sync) raises."""
+    torch.cuda.synchronize()  # inputs ready: nothing left that a later sync would be waiting for
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_sync_debug_mode_catches_a_sync():
+    t = torch.randn(8, device="cuda")
+    with pytest.raises(RuntimeError):
+        with cuda_sync_is_an_error():
+            bool((t > 0).any())
+    with pytest.raises(RuntimeError):
+        with cuda_sync_is_an_error():
+            torch.tensor([1, 2, 3]).to("cuda")  # a blocking copy from pageable memory
+    bool((t > 0).any())
+
+
+@pytest.mark.parametrize("name", _no_sync.MATRIX)
+def test_sampler_makes_no_cuda_sync(name):
+    torch.manual_seed(0)
+    _no_sync.check_case(name, "cuda", cuda_sync_is_an_error)

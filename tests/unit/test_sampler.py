@@ -3,6 +3,7 @@ probabilities with a chi-square test (threshold from the closed-form chi-square 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -11,12 +12,15 @@ import torch
 from rooflm.layers.sampler import (
     Sampler,
     SamplingMetadata,
+    add_tokens_to_counts,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
     compute_prompt_logprobs,
     logprobs_to_dicts,
     make_generator,
+    token_counts,
+    token_mask,
 )
 from rooflm.engine.stop_checker import banned_token_ids
 from rooflm.sampling_params import SamplingParams
@@ -335,6 +339,76 @@ def test_penalties_change_the_greedy_choice_and_logprobs_stay_raw():
     raw = torch.log_softmax(logits, dim=-1)
     assert out.logprob_token_ids.tolist() == [[1, 0, 1]]
     assert torch.allclose(out.logprobs, raw[0, [1, 0, 1]].unsqueeze(0))
+
+
+def random_histories(g: torch.Generator, n: int, v: int, max_len: int) -> list[list[int]]:
+    """Token ids per row, with repeats and some ids outside [0, v) that every path must ignore."""
+    rows = []
+    for _ in range(n):
+        r = torch.randint(0, v, (int(torch.randint(0, max_len + 1, (1,), generator=g)),), generator=g).tolist()
+        rows.append(r + ([v + 3, -1] if len(r) % 3 == 0 else []))
+    return rows
+
+
+def test_token_counts_and_mask_match_python_counts():
+    g = torch.Generator().manual_seed(7)
+    v = 40
+    rows = random_histories(g, 9, v, 30) + [[]]
+    counts, mask = token_counts(rows, v, "cpu", dtype=torch.int32), token_mask(rows, v, "cpu")
+    assert counts.shape == mask.shape == (10, v) and counts.is_contiguous() and mask.is_contiguous()
+    assert counts.dtype == torch.int32 and mask.dtype == torch.bool
+    for i, r in enumerate(rows):
+        expect = Counter(t for t in r if 0 <= t < v)
+        assert counts[i].tolist() == [expect[t] for t in range(v)]
+        assert mask[i].tolist() == [t in expect for t in range(v)]
+
+
+def test_add_tokens_to_counts_matches_python_counts():
+    g = torch.Generator().manual_seed(8)
+    n, v = 6, 25
+    history = random_histories(g, n, v, 10)
+    counts = token_counts(history, v, "cpu", dtype=torch.int32)
+    expect = [Counter(t for t in r if 0 <= t < v) for r in history]
+    # Every row samples (rows_index None), then a subset with a repeated row and ids to skip.
+    tokens = torch.randint(0, v, (n,), generator=g)
+    add_tokens_to_counts(counts, None, tokens)
+    for i, t in enumerate(tokens.tolist()):
+        expect[i][t] += 1
+    rows_index = torch.tensor([4, 1, 4, 0, 2])
+    tokens = torch.tensor([3, 7, 3, -1, v])
+    add_tokens_to_counts(counts, rows_index, tokens)
+    expect[4][3] += 2
+    expect[1][7] += 1
+    for i in range(n):
+        assert counts[i].tolist() == [expect[i][t] for t in range(v)], f"row {i}"
+    with pytest.raises(ValueError, match="contiguous"):
+        add_tokens_to_counts(counts.t(), None, tokens)
+    with pytest.raises(ValueError, match="rows_index"):
+        add_tokens_to_counts(counts, rows_index[:2], tokens)
+
+
+def test_penalties_from_device_state_equal_the_list_path_bit_for_bit():
+    """The runner's path (counts built at admission, then one add_tokens_to_counts per step) against the id lists."""
+    g = torch.Generator().manual_seed(9)
+    n, v = 12, 300
+    prompts, history = random_histories(g, n, v, 40), random_histories(g, n, v, 20)
+    params = [SamplingParams(temperature=0.8, repetition_penalty=float(1 + torch.rand(1, generator=g)),
+                             presence_penalty=float(torch.rand(1, generator=g) * 4 - 2),
+                             frequency_penalty=float(torch.rand(1, generator=g) * 4 - 2)) for _ in range(n)]
+    params[3] = SamplingParams()  # neutral row among penalised ones
+    counts = token_counts(history, v, "cpu", dtype=torch.int32)
+    prompt_mask = token_mask(prompts, v, "cpu")
+    for _ in range(4):
+        logits = torch.randn(n, v, generator=g) * 4
+        from_lists = apply_penalties(logits, md_for(params, outputs=history, prompts=prompts))
+        md = SamplingMetadata.from_params(params, history, prompts, [None] * n, "cpu",
+                                          output_token_counts=counts, prompt_token_mask=prompt_mask)
+        from_state = apply_penalties(logits, md)
+        assert torch.equal(from_state, from_lists)
+        assert not torch.equal(from_state, logits)
+        sampled = torch.randint(0, v, (n,), generator=g)
+        add_tokens_to_counts(counts, None, sampled)
+        history = [h + [t] for h, t in zip(history, sampled.tolist())]
 
 
 def test_min_tokens_bans_eos_and_stop_token_ids():

@@ -10,9 +10,19 @@ One row per sequence sampled this step, rows in batch order. The order of operat
    previous one), then an exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. per token, which picks
    token ``i`` with probability ``probs[i]``.
 
+No device-to-host synchronisation. ``Sampler.__call__`` never reads a device value on the host: every branch is
+decided by host fields of ``SamplingMetadata`` (``all_greedy``, ``all_random``, ``random_rows``, ``any_min_p``,
+``any_top_k_top_p``, ``no_penalties``, the generators list), greedy and random rows are merged with ``torch.where``
+(the random path runs on every row when some row is random), and host-to-device copies go through pinned memory
+with ``non_blocking=True``. A caller can therefore keep the sampled ids on the device and feed them to the next
+step without waiting for this one. Penalty state can stay on the device across steps too: ``token_counts`` /
+``token_mask`` build it, ``add_tokens_to_counts`` adds each step's sampled ids in place. ``logprobs_to_dicts`` is the
+exception: it converts to Python objects for the outputs, so it syncs; call it when the results are needed.
+
 Batch invariance of seeded rows: a row with a generator draws its own ``q`` from that generator, exactly ``V``
 numbers per step whatever else is in the batch, and every other operation is row-wise, so its token depends only on
-its own logits, its own parameters and its own generator state. Unseeded rows share one draw from the global RNG.
+its own logits, its own parameters and its own generator state. Unseeded random rows share one draw of shape
+``[number of such rows, V]`` from the global RNG.
 """
 from __future__ import annotations
 
@@ -45,9 +55,22 @@ def make_generator(seed: int, sample_index: int, device: torch.device | str) -> 
     return g
 
 
+def _to_device(data: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list as a tensor on ``device``. For CUDA the host tensor is pinned and the copy non-blocking: a copy
+    from pageable memory, or a blocking one, would make the host wait for the device."""
+    pinned = torch.device(device).type == "cuda"
+    return torch.tensor(data, dtype=dtype, pin_memory=pinned).to(device, non_blocking=True)
+
+
 @dataclass
 class SamplingMetadata:
-    """Per-row sampling options of one step, on the logits' device. N rows, in batch order."""
+    """Per-row sampling options of one step, on the logits' device. N rows, in batch order.
+
+    The tensors live on the device; the lists and flags live on the host and decide every branch the sampler
+    takes, so sampling never waits for the device. ``from_params`` fills everything consistently; a caller that
+    builds the metadata itself must keep the host flags true to the tensors (the defaults of the optional flags are
+    the safe ones: they cost work, never correctness).
+    """
 
     temperature: torch.Tensor  # [N] float32; < SAMPLING_EPS means greedy for that row
     top_k: torch.Tensor  # [N] int64; 0 = off
@@ -56,8 +79,8 @@ class SamplingMetadata:
     repetition_penalty: torch.Tensor  # [N] float32; 1 = off
     presence_penalty: torch.Tensor  # [N] float32; 0 = off
     frequency_penalty: torch.Tensor  # [N] float32; 0 = off
-    output_token_ids: list[list[int]]  # generated so far, per row (presence/frequency/repetition count these)
-    prompt_token_ids: list[list[int]]  # per row (repetition penalty also covers the prompt)
+    output_token_ids: list[list[int]]  # generated so far, per row (ignored when output_token_counts is given)
+    prompt_token_ids: list[list[int]]  # per row (ignored when prompt_token_mask is given)
     generators: list[torch.Generator | None]  # per row: own generator for seeded requests, None = global RNG
     max_num_logprobs: int  # k of the top-k logprobs to return (max over rows); 0 = no top-k
     all_greedy: bool
@@ -68,14 +91,48 @@ class SamplingMetadata:
     return_logprobs: bool | None = None
     # Per row, token ids whose logits are -inf this step (EOS / stop_token_ids while min_tokens is not reached).
     banned_token_ids: list[list[int]] | None = None
+    # Device-resident penalty state, kept by the caller across steps. [N, V] counts (any integer dtype) of the
+    # tokens each row generated so far; [N, V] bool, tokens present in each row's prompt. None: built this step from
+    # output_token_ids / prompt_token_ids.
+    output_token_counts: torch.Tensor | None = None
+    prompt_token_mask: torch.Tensor | None = None
+    # Host plan of the random path. random_rows: the rows sampled at random (not greedy), ascending; they, and only
+    # they, draw noise (seeded ones from their own generator). None: every row when not all_greedy.
+    random_rows: list[int] | None = None
+    any_min_p: bool = True  # some random row has min_p > 0
+    any_top_k_top_p: bool = True  # some random row has top_k > 0 or top_p < 1
 
     def __post_init__(self) -> None:
         if self.return_logprobs is None:
             self.return_logprobs = self.max_num_logprobs > 0
+        n = self.num_rows
+        if len(self.generators) != n:
+            raise ValueError(f"SamplingMetadata.generators has {len(self.generators)} entries for {n} rows")
+        if self.random_rows is not None and any(not 0 <= i < n for i in self.random_rows):
+            raise ValueError(f"SamplingMetadata.random_rows={self.random_rows!r} is invalid: expected rows in [0, {n})")
 
     @property
     def num_rows(self) -> int:
         return self.temperature.shape[0]
+
+    @property
+    def any_random(self) -> bool:
+        return not self.all_greedy
+
+    def _random_rows(self) -> list[int]:
+        if self.all_greedy:
+            return []
+        return list(range(self.num_rows)) if self.random_rows is None else self.random_rows
+
+    @property
+    def seeded_rows(self) -> list[tuple[int, torch.Generator]]:
+        """(row, generator) of the random rows with their own generator: host data."""
+        return [(i, g) for i in self._random_rows() if (g := self.generators[i]) is not None]
+
+    @property
+    def unseeded_rows(self) -> list[int]:
+        """The random rows that draw from the global RNG: host data."""
+        return [i for i in self._random_rows() if self.generators[i] is None]
 
     @classmethod
     def from_params(
@@ -86,9 +143,12 @@ class SamplingMetadata:
         generators: Sequence[torch.Generator | None],
         device: torch.device | str,
         banned_token_ids: Sequence[Sequence[int]] | None = None,
+        output_token_counts: torch.Tensor | None = None,
+        prompt_token_mask: torch.Tensor | None = None,
     ) -> "SamplingMetadata":
         """Build the metadata of one step. ``banned_token_ids[i]``: ids row i must not pick (EOS / stop ids under
-        ``min_tokens``, from ``rooflm.engine.stop_checker.banned_token_ids``)."""
+        ``min_tokens``, from ``rooflm.engine.stop_checker.banned_token_ids``). ``output_token_counts`` /
+        ``prompt_token_mask``: device-resident penalty state (see the fields); the id lists are then not read."""
         n = len(params)
         if not (len(output_token_ids) == len(prompt_token_ids) == len(generators) == n):
             raise ValueError(
@@ -96,10 +156,13 @@ class SamplingMetadata:
                 f"{len(prompt_token_ids)} prompt lists and {len(generators)} generators"
             )
         greedy = [p.greedy or p.top_k == 1 for p in params]
+        random_rows = [i for i, g in enumerate(greedy) if not g]
+        if banned_token_ids is not None and len(banned_token_ids) != n:
+            raise ValueError(f"SamplingMetadata.from_params: {n} params but {len(banned_token_ids)} banned lists")
         banned = [list(b) for b in banned_token_ids] if banned_token_ids is not None else []
 
         # One [7, N] host tensor and one copy to the device, not seven (each copy from pageable memory stalls).
-        table = torch.tensor(
+        table = _to_device(
             [[0.0 if g else float(p.temperature) for p, g in zip(params, greedy)],
              [float(p.top_k) for p in params],  # exact in float32: top_k <= vocab size < 2**24
              [float(p.top_p) for p in params],
@@ -107,9 +170,9 @@ class SamplingMetadata:
              [float(p.repetition_penalty) for p in params],
              [float(p.presence_penalty) for p in params],
              [float(p.frequency_penalty) for p in params]],
-            dtype=torch.float32,
-            pin_memory=torch.device(device).type == "cuda",
-        ).to(device, non_blocking=True)
+            torch.float32,
+            device,
+        )
         return cls(
             temperature=table[0],
             top_k=table[1].to(torch.int64),
@@ -118,8 +181,8 @@ class SamplingMetadata:
             repetition_penalty=table[4],
             presence_penalty=table[5],
             frequency_penalty=table[6],
-            output_token_ids=[list(o) for o in output_token_ids],
-            prompt_token_ids=[list(p) for p in prompt_token_ids],
+            output_token_ids=[list(o) for o in output_token_ids] if output_token_counts is None else [],
+            prompt_token_ids=[list(p) for p in prompt_token_ids] if prompt_token_mask is None else [],
             generators=list(generators),
             max_num_logprobs=max((p.logprobs or 0 for p in params), default=0),
             all_greedy=all(greedy),
@@ -129,6 +192,11 @@ class SamplingMetadata:
             ),
             return_logprobs=any(p.logprobs is not None for p in params),
             banned_token_ids=banned if any(banned) else None,
+            output_token_counts=output_token_counts,
+            prompt_token_mask=prompt_token_mask,
+            random_rows=random_rows,
+            any_min_p=any(params[i].min_p > 0 for i in random_rows),
+            any_top_k_top_p=any(params[i].top_k > 0 or params[i].top_p < 1 for i in random_rows),
         )
 
 
@@ -139,38 +207,90 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None  # [N, 1 + k] float32, matching logprob_token_ids
 
 
-def _pad_token_ids(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[N, L] int64, padded with ``vocab_size`` (a scratch column that callers drop); ids >= vocab are dropped too."""
-    width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), max(width, 1)), vocab_size, dtype=torch.int64)
+def _pad_token_ids(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """[N, L] int64 on ``device``, padded with ``vocab_size`` (a scratch column that callers drop); ids outside
+    [0, vocab) land in the scratch column too. Built on the host (pinned for CUDA), one non-blocking copy."""
+    width = max(max((len(r) for r in rows), default=0), 1)
+    pinned = torch.device(device).type == "cuda"
+    out = torch.full((len(rows), width), vocab_size, dtype=torch.int64, pin_memory=pinned)
     for i, r in enumerate(rows):
         if r:
             out[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
-    out = out.clamp_(max=vocab_size)  # out-of-vocab ids land in the scratch column
+    out.masked_fill_(out < 0, vocab_size).clamp_(max=vocab_size)
     return out.to(device, non_blocking=True)
 
 
-def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[N, V] int64: how often each token occurs in each row."""
+def token_counts(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str,
+                 dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """[N, V] ``dtype`` (contiguous) on ``device``: how often each token occurs in each row of ids. Ids outside
+    [0, vocab_size) are not counted."""
     ids = _pad_token_ids(rows, vocab_size, device)
-    counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids))
-    return counts[:, :vocab_size]
+    valid = ids < vocab_size  # padding adds 0 at column 0
+    counts = torch.zeros(len(rows), vocab_size, dtype=dtype, device=device)
+    counts.scatter_add_(1, ids.masked_fill(~valid, 0), valid.to(dtype))
+    return counts
+
+
+def token_mask(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """[N, V] bool (contiguous) on ``device``: which tokens occur in each row of ids (e.g. the prompts)."""
+    ids = _pad_token_ids(rows, vocab_size, device)
+    mask = torch.zeros(len(rows), vocab_size + 1, dtype=torch.bool, device=device)
+    mask.scatter_(1, ids, True)
+    return mask[:, :vocab_size].contiguous()
+
+
+def add_tokens_to_counts(counts: torch.Tensor, rows_index: torch.Tensor | None, token_ids: torch.Tensor) -> None:
+    """In place, on the device: ``counts[rows_index[j], token_ids[j]] += 1`` for every j (repeated pairs count
+    every time). ``rows_index`` None: rows 0..R-1. Ids outside [0, V) are skipped (e.g. -1 for a row that sampled
+    nothing), decided on the device, so nothing waits for the sampled ids to reach the host."""
+    if counts.dim() != 2 or not counts.is_contiguous():
+        raise ValueError(f"add_tokens_to_counts: counts must be a contiguous [N, V] tensor, got shape "
+                         f"{tuple(counts.shape)} (contiguous={counts.is_contiguous()})")
+    n, v = counts.shape
+    tokens = token_ids.reshape(-1).to(device=counts.device, dtype=torch.int64)
+    if rows_index is None:
+        if tokens.shape[0] > n:
+            raise ValueError(f"add_tokens_to_counts: {tokens.shape[0]} token ids for {n} rows and no rows_index")
+        rows = torch.arange(tokens.shape[0], device=counts.device)
+    else:
+        rows = rows_index.reshape(-1).to(device=counts.device, dtype=torch.int64)
+        if rows.shape[0] != tokens.shape[0]:
+            raise ValueError(f"add_tokens_to_counts: rows_index has {rows.shape[0]} entries, token_ids "
+                             f"{tokens.shape[0]}")
+    valid = (tokens >= 0) & (tokens < v)
+    flat = torch.where(valid, rows * v + tokens, torch.zeros_like(tokens))
+    counts.view(-1).scatter_add_(0, flat, valid.to(counts.dtype))
+
+
+def _check_state(name: str, t: torch.Tensor, shape: tuple[int, int], device: torch.device) -> None:
+    if tuple(t.shape) != shape or t.device != device:
+        raise ValueError(f"SamplingMetadata.{name} has shape {tuple(t.shape)} on {t.device}; the logits need "
+                         f"{shape} on {device}")
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Return penalised logits [N, V] (a new tensor). Neutral values (1, 0, 0) leave a row bit-exact."""
+    """Return penalised logits [N, V] (a new tensor). Neutral values (1, 0, 0) leave a row bit-exact. Uses the
+    device-resident ``output_token_counts`` / ``prompt_token_mask`` when given, else the id lists."""
     n, v = logits.shape
-    out_counts = _token_counts(md.output_token_ids, v, logits.device)  # [N, V]
-    prompt_counts = _token_counts(md.prompt_token_ids, v, logits.device)  # [N, V]
-    seen = (out_counts > 0) | (prompt_counts > 0)
+    if md.output_token_counts is not None:
+        _check_state("output_token_counts", md.output_token_counts, (n, v), logits.device)
+        out_counts = md.output_token_counts
+    else:
+        out_counts = token_counts(md.output_token_ids, v, logits.device)
+    if md.prompt_token_mask is not None:
+        _check_state("prompt_token_mask", md.prompt_token_mask, (n, v), logits.device)
+        in_prompt = md.prompt_token_mask
+    else:
+        in_prompt = token_mask(md.prompt_token_ids, v, logits.device)
+    generated = out_counts > 0
+    seen = generated | in_prompt
     rep = md.repetition_penalty.to(logits.dtype).unsqueeze(1)  # [N, 1]
     # Repetition (CTRL / HF): push seen tokens towards "less likely" whatever their sign.
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalised, logits)
     # OpenAI presence / frequency on generated tokens only.
     logits = logits - md.frequency_penalty.to(logits.dtype).unsqueeze(1) * out_counts.to(logits.dtype)
-    logits = logits - md.presence_penalty.to(logits.dtype).unsqueeze(1) * (out_counts > 0).to(logits.dtype)
+    logits = logits - md.presence_penalty.to(logits.dtype).unsqueeze(1) * generated.to(logits.dtype)
     return logits
 
 
@@ -197,41 +317,48 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """[R, V] probabilities -> [R] sampled ids. Rows with a generator draw from it alone."""
-    q = torch.empty_like(probs)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if len(unseeded) == len(generators):
-        q.exponential_()
+def _exponential_race(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """[N, V] probabilities -> [N] sampled ids; meaningful for the random rows. Noise per the host plan: seeded rows
+    draw V numbers from their own generator, the unseeded random rows one [U, V] block from the global RNG, other
+    rows none (their q is 1)."""
+    n, v = probs.shape
+    unseeded, seeded = md.unseeded_rows, md.seeded_rows
+    if len(unseeded) == n:
+        q = torch.empty_like(probs).exponential_()
     else:
-        if unseeded:
-            idx = torch.tensor(unseeded, device=probs.device)
-            q[idx] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
-        for i, g in enumerate(generators):
-            if g is not None:
-                q[i].exponential_(generator=g)
+        q = torch.ones_like(probs)
+        if unseeded and unseeded[-1] - unseeded[0] == len(unseeded) - 1:  # one contiguous block of rows
+            q[unseeded[0]: unseeded[-1] + 1].exponential_()
+        elif unseeded:
+            draw = torch.empty(len(unseeded), v, dtype=probs.dtype, device=probs.device).exponential_()
+            q.index_copy_(0, _to_device(unseeded, torch.int64, probs.device), draw)
+        for i, g in seeded:  # a host int index: a view, no sync
+            q[i].exponential_(generator=g)
     # An Exp(1) draw can be 0.0 in float32; keep probs/q finite (0/0 would be NaN for filtered tokens).
     q.clamp_(min=torch.finfo(q.dtype).tiny)
     return (probs / q).argmax(dim=-1)
 
 
-def sample_random(
-    logits: torch.Tensor, md_rows: dict[str, torch.Tensor], generators: list[torch.Generator | None]
-) -> torch.Tensor:
-    """[R, V] penalised logits of random rows -> [R] token ids. md_rows: temperature/min_p/top_k/top_p [R]."""
-    x = logits / md_rows["temperature"].unsqueeze(1)
-    if bool((md_rows["min_p"] > 0).any()):
-        x = apply_min_p(x, md_rows["min_p"])
-    if bool(((md_rows["top_k"] > 0) | (md_rows["top_p"] < 1)).any()):
-        x = apply_top_k_top_p(x, md_rows["top_k"], md_rows["top_p"])
+def sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """[N, V] penalised logits -> [N] token ids drawn for every row; only the random rows' ids are meaningful
+    (greedy rows get temperature 1 here, so nothing divides by zero, and draw no noise)."""
+    temperature = md.temperature
+    if not md.all_random:
+        temperature = torch.where(temperature < SAMPLING_EPS, torch.ones_like(temperature), temperature)
+    x = logits / temperature.unsqueeze(1)
+    if md.any_min_p:
+        x = apply_min_p(x, md.min_p)
+    if md.any_top_k_top_p:
+        x = apply_top_k_top_p(x, md.top_k, md.top_p)
     probs = torch.softmax(x, dim=-1)
-    return _exponential_race(probs, generators)
+    return _exponential_race(probs, md)
 
 
 def gather_logprobs(
     logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, V] logprobs, [N] chosen ids -> (ids [N, 1+k] int64, logprobs [N, 1+k] float32): chosen first, then top-k."""
+    """[N, V] logprobs, [N] chosen ids -> (ids [N, 1+k] int64, logprobs [N, 1+k] float32): chosen first, then top-k.
+    Stays on the device."""
     chosen = logprobs.gather(1, token_ids.view(-1, 1).to(torch.int64))  # [N, 1]
     ids = token_ids.view(-1, 1).to(torch.int64)
     if k > 0:
@@ -253,7 +380,8 @@ def logprobs_to_dicts(
     token_ids: torch.Tensor, logprobs: torch.Tensor, num_logprobs: Sequence[int]
 ) -> list[dict[int, float]]:
     """vLLM's per-position shape: row i -> {token_id: logprob} of its first token (the chosen or actual one) and its
-    own top ``num_logprobs[i]`` (a batch returns the max k over rows; each row keeps only what it asked for)."""
+    own top ``num_logprobs[i]`` (a batch returns the max k over rows; each row keeps only what it asked for).
+    Copies to the host, so it waits for the device: call it when building outputs, not on the sampling path."""
     ids_l, lps_l = token_ids.tolist(), logprobs.tolist()
     out: list[dict[int, float]] = []
     for ids, lps, k in zip(ids_l, lps_l, num_logprobs):
@@ -264,43 +392,28 @@ def logprobs_to_dicts(
 
 
 class Sampler:
-    """Stateless; ``Sampler()(logits [N, V], md) -> SamplerOutput``. Runs on the logits' device."""
+    """Stateless; ``Sampler()(logits [N, V], md) -> SamplerOutput``. Runs on the logits' device, without waiting
+    for it (see the module docstring)."""
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != md.num_rows:
             raise ValueError(f"Sampler: logits of shape {tuple(logits.shape)} for {md.num_rows} rows")
         logits = logits.float()
-        n, v = logits.shape
+        v = logits.shape[1]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.return_logprobs else None  # [N, V]
 
         if md.banned_token_ids:
-            ids = _pad_token_ids(md.banned_token_ids, v, logits.device)  # [N, L], pad = v
-            mask = torch.zeros(n, v + 1, dtype=torch.bool, device=logits.device)
-            mask.scatter_(1, ids, True)
-            logits = logits.masked_fill(mask[:, :v], float("-inf"))
+            logits = logits.masked_fill(token_mask(md.banned_token_ids, v, logits.device), float("-inf"))
         if not md.no_penalties:
             logits = apply_penalties(logits, md)
 
         if md.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
-            greedy_rows = md.temperature < SAMPLING_EPS  # [N] bool (from_params folds top_k == 1 in)
-            greedy_rows |= md.top_k == 1
-            sampled = torch.empty(n, dtype=torch.int64, device=logits.device)
-            rows = torch.arange(n, device=logits.device)
+            sampled = sample_random(logits, md)
             if not md.all_random:
-                g = rows[greedy_rows]
-                sampled[g] = logits[g].argmax(dim=-1)
-            r = rows[~greedy_rows]
-            r_list = r.tolist()
-            if r_list:
-                sel = {
-                    "temperature": md.temperature[r],
-                    "min_p": md.min_p[r],
-                    "top_k": md.top_k[r],
-                    "top_p": md.top_p[r],
-                }
-                sampled[r] = sample_random(logits[r], sel, [md.generators[i] for i in r_list])
+                greedy_rows = (md.temperature < SAMPLING_EPS) | (md.top_k == 1)  # [N] bool, on the device
+                sampled = torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
 
         out = SamplerOutput(sampled_token_ids=sampled)
         if raw_logprobs is not None:
