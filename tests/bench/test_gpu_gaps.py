@@ -53,13 +53,14 @@ def test_trace_parsing_matches_launches_by_correlation():
         _x("cuda_runtime", "cudaMemcpyAsync", 170.0, 3.0, corr=3),
         _x("kernel", "a", 30.0, 40.0, corr=1), _x("kernel", "b", 75.0, 25.0, corr=1),  # step 0 ends at 100
         _x("kernel", "c", 180.0, 10.0, corr=2), _x("gpu_memcpy", "m", 170.0, 4.0, corr=3),  # step 1 from 170
-        _x("kernel", "orphan", 105.0, 1.0, corr=99),  # no launch recorded: dropped
+        _x("kernel", "orphan", 105.0, 1.0, corr=99),  # no launch recorded, starts between the steps: no step's
+        _x("kernel", "replayed", 200.0, 5.0, corr=98),  # no launch recorded, starts in step 1: counts for it
         {"ph": "i", "cat": "kernel", "name": "instant", "ts": 1.0},
     ]}
     activity, steps = activity_from_trace(trace)
     assert sorted(steps) == [(0.0, 100.0), (150.0, 250.0)]
-    assert sorted(activity) == [(20.0, 30.0, 70.0), (20.0, 75.0, 100.0), (160.0, 180.0, 190.0),
-                                (170.0, 170.0, 174.0)]
+    assert sorted(activity) == [(20.0, 30.0, 70.0), (20.0, 75.0, 100.0), (105.0, 105.0, 106.0),
+                                (160.0, 180.0, 190.0), (170.0, 170.0, 174.0), (200.0, 200.0, 205.0)]
     assert step_gaps_us(activity, steps) == [70.0]
 
 

@@ -45,8 +45,9 @@ def step_gaps_us(activity: Iterable[tuple[float, float, float]], steps: Sequence
 def activity_from_trace(trace: dict[str, Any], marker: str = STEP_MARKER
                         ) -> tuple[list[tuple[float, float, float]], list[tuple[float, float]]]:
     """(activity, steps) for ``step_gaps_us`` from a Chrome trace (``prof.export_chrome_trace``): GPU events with
-    their launch's CPU time (matched by correlation id; events with no matching launch are dropped) and the CPU
-    ranges of the ``marker`` annotations."""
+    their launch's CPU time, matched by correlation id, and the CPU ranges of the ``marker`` annotations. A GPU event
+    whose launch was not recorded (some CUDA-graph replays) is placed by its own start time, which falls inside its
+    step whenever a step waits for its GPU work before returning (rooflm's engine reads the sampled tokens)."""
     events = trace.get("traceEvents", []) if isinstance(trace, dict) else []
     launches: dict[Any, float] = {}
     gpu: list[tuple[Any, float, float]] = []
@@ -58,11 +59,11 @@ def activity_from_trace(trace: dict[str, Any], marker: str = STEP_MARKER
         corr = (e.get("args") or {}).get("correlation")
         if cat in LAUNCH_CATEGORIES and corr is not None:
             launches[corr] = ts
-        elif cat in GPU_CATEGORIES and corr is not None:
+        elif cat in GPU_CATEGORIES:
             gpu.append((corr, ts, ts + dur))
         elif cat == "user_annotation" and e.get("name") == marker:
             steps.append((ts, ts + dur))
-    activity = [(launches[c], s, t) for c, s, t in gpu if c in launches]
+    activity = [(launches.get(c, s), s, t) for c, s, t in gpu]
     return activity, steps
 
 
