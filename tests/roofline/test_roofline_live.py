@@ -138,7 +138,7 @@ def test_observe_accumulates_fractions_histogram_and_stats():
     assert stats.roofline_fraction == live.fraction and stats.roofline_steps == 4
     assert stats.roofline_bucket_counts == tuple(expected) and stats.roofline_bucket_bounds == FRACTION_BUCKETS
     assert stats.roofline_fraction_sum == pytest.approx(sum(fractions))
-    assert stats.roofline_hardware.startswith("NVIDIA RTX A6000 datasheet: 0.768 TB/s")
+    assert stats.roofline_hardware.startswith("NVIDIA RTX A6000 datasheet: 768 GB/s")
 
     summary = roofline_summary(stats)
     assert summary["fraction"] == pytest.approx(live.fraction) and summary["steps"] == 4

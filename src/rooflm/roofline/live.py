@@ -119,7 +119,7 @@ class LiveRoofline:
     def for_engine(cls, model_config: "ModelConfig", dtype: "torch.dtype | str", device: "str | Any",
                    hardware: str | None = None, **kw: Any) -> "LiveRoofline":
         """The live roofline of an engine: ``hardware`` names a catalog entry (``"h100-sxm"``), or None to measure
-        this device's copy bandwidth and matmul rate quickly (tens of milliseconds)."""
+        this device's copy bandwidth and matmul rate quickly (milliseconds on a GPU, about 0.1 s on a CPU)."""
         if hardware is not None:
             hw = get_hardware(hardware)
         else:
@@ -274,7 +274,9 @@ class LiveRoofline:
         hw, p = self.hardware, self._x.p
         peak = hw.peak(compute_key(p.weight, p.act, hw.peak_ops))
         how = "measured" if hw.kind == "measured" else "datasheet"
-        return f"{hw.name} {how}: {hw.memory_bandwidth / (1000 * GB):.3g} TB/s, {peak / TERA:.3g} TFLOP/s"
+        bw = hw.memory_bandwidth
+        bw_text = f"{bw / (1000 * GB):.3g} TB/s" if bw >= 1000 * GB else f"{bw / GB:.3g} GB/s"
+        return f"{hw.name} {how}: {bw_text}, {peak / TERA:.3g} TFLOP/s"
 
     def fill_stats(self, stats: "EngineStats") -> None:
         """Copy the running figures into ``stats`` (immutable values: snapshots copied with copy.copy stay valid)."""
