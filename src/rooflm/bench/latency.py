@@ -8,7 +8,10 @@ fresh prompts each time and prefix caching off (so no run reuses another's cache
 - TTFT: from adding the requests until every request has its first token (the prefill, chunked if it must be);
 - TPOT: the mean duration of the engine steps in which every request decodes one token (no prefill in the step);
 - decode tokens/s = batch / TPOT; end-to-end tokens/s = batch * output_len / total time.
-Figures are medians over the iterations. The ceilings are measured in the same process on the same device: memory
+Figures are medians over the iterations. When the engine measures its live roofline (``rooflm.roofline.live``), the
+report gives the fraction of their best possible time that the timed steps ran at. ``--profile`` (CUDA) profiles
+16 further decode steps of batch 1 and of ``--batch-size`` and reports the GPU idle time between consecutive steps
+(``rooflm.bench.gpu_gaps``). The ceilings are measured in the same process on the same device: memory
 bandwidth by a 1 GiB device copy (bytes read + written) and the dense matmul rate (8192^3) in the run's dtype. The
 roofline (``rooflm.roofline.analyze`` on those measured ceilings) gives the best possible TTFT and TPOT and the bytes a
 decode step must move; achieved GB/s = those bytes / measured TPOT. ``--baseline hf`` builds Hugging Face
@@ -18,6 +21,7 @@ eager ``generate`` on the same prompts, printing the speed-up.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -44,8 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hf: also time transformers' generate on the same weights and prompts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
-    p.add_argument("--profile", default=None, metavar="FILE",
-                   help="also profile 8 decode steps with torch.profiler; write the operator tables to FILE")
+    p.add_argument("--profile", nargs="?", const="", default=None, metavar="FILE",
+                   help="CUDA only: profile 16 decode steps (batch 1 and --batch-size) with torch.profiler and report "
+                        "the GPU idle time between consecutive steps; FILE: also write the operator tables there")
+    p.add_argument("--profile-trace", default=None, metavar="PATH",
+                   help="with --profile: write the Chrome traces to PATH with .batch<N> before its extension")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -181,12 +188,17 @@ def run(args: argparse.Namespace) -> int:
 
     from rooflm.config import EngineConfig
     from rooflm.engine.engine import LLMEngine, resolve_device, resolve_dtype
+    from rooflm.roofline.live import roofline_summary
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     B, L_in, L_out = args.batch_size, args.input_len, args.output_len
     if min(B, L_in, L_out) < 1:
         raise ValueError("--batch-size, --input-len and --output-len must be >= 1")
+    profiling = args.profile is not None or args.profile_trace is not None
+    if profiling and device.type != "cuda":
+        raise ValueError(f"--profile needs a CUDA device: it measures GPU idle time between decode steps "
+                         f"(this run is on {device.type})")
     ceilings = measure_ceilings(device, dtype)
     kv_bytes = kv_cache_bytes(args, dtype, B * (L_in + L_out))
     t0 = time.perf_counter()
@@ -213,11 +225,13 @@ def run(args: argparse.Namespace) -> int:
     for _ in range(args.num_iters_warmup):
         _one_iteration(engine, prompts(), min(L_out, 16))
     warmup_s = time.perf_counter() - t0
+    before = copy.copy(engine.get_stats())  # the live roofline of the timed iterations only
     iters = []
     last_prompts = None
     for _ in range(args.num_iters):
         last_prompts = prompts()
         iters.append(_one_iteration(engine, last_prompts, L_out))
+    live = roofline_summary(engine.get_stats(), since=before)
     med = {k: statistics.median(it[k] for it in iters) for k in ("ttft_s", "tpot_s", "e2e_s")}
     res: dict = {
         "command": "rooflm bench latency " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "latency"] else "",
@@ -229,6 +243,8 @@ def run(args: argparse.Namespace) -> int:
         "decode_tok_s": B / med["tpot_s"], "e2e_tok_s": B * L_out / med["e2e_s"],
         "iterations": [{k: v for k, v in it.items() if k != "tokens"} for it in iters],
     }
+    if live:
+        res["live_roofline"] = live
     bounds = roofline_bounds(cfg, ceilings, B, L_in, L_out)
     if bounds:
         res["roofline"] = bounds
@@ -264,8 +280,11 @@ def run(args: argparse.Namespace) -> int:
         del hf
         torch.cuda.empty_cache() if device.type == "cuda" else None
 
-    if args.profile:
-        _profile(engine, prompts(), args.profile)
+    if profiling:
+        res["profile"] = {}
+        for b in sorted({1, B}):
+            res["profile"][f"batch_{b}"] = _profile(engine, prompts()[:b], args.profile if b == B else "",
+                                                    args.profile_trace)
     _print(res)
     if args.json:
         with open(args.json, "w") as f:
@@ -273,37 +292,89 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _profile(engine, prompts: list[list[int]], path: str) -> None:
-    """torch.profiler over 8 decode steps of the batch: where a step's wall time goes beyond the GPU's."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+PROFILE_STEPS = 16
 
+
+def _profile(engine, prompts: list[list[int]], table_path: str, trace_path: str | None) -> dict:
+    """torch.profiler over PROFILE_STEPS decode steps of ``prompts``, each inside a ``rooflm_step`` marker: the GPU
+    idle time between consecutive steps; the operator tables to ``table_path`` (if not empty), the Chrome trace to
+    ``trace_path`` with ``.batch<N>`` before its extension (if given)."""
+    import os
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from rooflm.bench.gpu_gaps import STEP_MARKER, activity_from_trace, step_gaps_us, summarize_gaps
     from rooflm.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    B = len(prompts)
+    params = SamplingParams(temperature=0, max_tokens=PROFILE_STEPS + 4, ignore_eos=True)
+    keep = max(1, engine.max_model_len - PROFILE_STEPS - 4)
+    counts: dict[str, int] = {}
     for i, p in enumerate(prompts):
-        engine.add_request(f"prof-{time.monotonic_ns()}-{i}", p[: max(1, engine.max_model_len - 12)], params)
-    while any(s.num_output_tokens < 3 for s in engine.scheduler.running) or engine.scheduler.num_waiting:
-        engine.step()  # prefill and two decode steps outside the profile
-        engine.step()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        engine.add_request(f"prof-{time.monotonic_ns()}-{i}", p[:keep], params)
+    while len(counts) < B or min(counts.values()) < 2:  # prefill and one decode step outside the profile
+        for o in engine.step():
+            counts[o.request_id] = len(o.outputs[0].token_ids)
+    torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with profile(activities=acts) as prof:
-        for _ in range(8):
-            engine.step()
-    wall = (time.perf_counter() - t0) / 8
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILE_STEPS):
+            with record_function(STEP_MARKER):
+                engine.step()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / PROFILE_STEPS
     while engine.has_unfinished_requests():
         engine.step()
-    ka = prof.key_averages()
-    with open(path, "w") as f:
-        f.write(f"8 decode steps, {wall * 1e3:.2f} ms per step (wall, under the profiler)\n\n")
-        f.write(ka.table(sort_by="cpu_time_total", row_limit=40))
-        f.write("\n\n")
-        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40))
-    print(f"  profile: {wall * 1e3:.2f} ms per decode step under the profiler; tables in {path}")
+    if trace_path:
+        root, ext = os.path.splitext(trace_path)
+        path = f"{root}.batch{B}{ext or '.json'}"
+    else:
+        fd, path = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        if not trace_path:
+            os.unlink(path)
+    activity, steps = activity_from_trace(trace)
+    out = {"batch": B, "steps": len(steps), "step_wall_ms": wall * 1e3, **summarize_gaps(step_gaps_us(activity, steps))}
+    if trace_path:
+        out["trace"] = path
+    if table_path:
+        ka = prof.key_averages()
+        with open(table_path, "w") as f:
+            f.write(f"{PROFILE_STEPS} decode steps of batch {B}, {wall * 1e3:.2f} ms per step (wall, under the "
+                    "profiler)\n\n")
+            f.write(ka.table(sort_by="device_time_total", row_limit=40))
+            f.write("\n\n")
+            f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40))
+        out["tables"] = table_path
+    return out
+
+
+def profile_lines(profile: dict) -> list[str]:
+    """The report lines of ``--profile``: GPU idle time between decode steps, per batch size."""
+    lines = []
+    for p in profile.values():
+        head = f"  GPU idle between decode steps (batch {p['batch']}): "
+        if not p["gaps"]:
+            lines.append(head + "no consecutive steps with GPU work were found in the trace")
+            continue
+        lines.append(head + f"mean {p['mean_us']:.1f} us, median {p['median_us']:.1f} us, p90 {p['p90_us']:.1f} us "
+                     f"over {p['gaps']} gaps ({p['step_wall_ms']:.2f} ms per step under the profiler)")
+        for key, what in (("tables", "operator tables"), ("trace", "trace")):
+            if key in p:
+                lines.append(f"    {what}: {p[key]}")
+    return lines
 
 
 def _print(r: dict) -> None:
+    from rooflm.roofline.live import roofline_line
+
     c = r["ceilings"]
     print(f"rooflm bench latency: {r['model']} {r['dtype']} batch={r['batch_size']} input={r['input_len']} "
           f"output={r['output_len']} on {c['device']} (attention {','.join(r['attention_backend'])}, "
@@ -320,6 +391,11 @@ def _print(r: dict) -> None:
         print(f"  achieved {r['achieved_gbps']:.0f} GB/s in decode = {r['fraction_of_copy_bandwidth']:.1%} of the "
               f"measured copy bandwidth; prefill {r['prefill_tflops']:.0f} TFLOP/s = "
               f"{r['prefill_fraction_of_matmul_peak']:.1%} of the measured matmul peak")
+    line = roofline_line(r.get("live_roofline"))
+    if line:
+        print(f"  {line}")
+    for line in profile_lines(r.get("profile", {})):
+        print(line)
     if "hf" in r:
         h = r["hf"]
         print(f"  transformers generate: TTFT {h['ttft_s'] * 1e3:.1f} ms  TPOT {h['tpot_s'] * 1e3:.2f} ms  "

@@ -8,10 +8,13 @@ continuously (up to ``--max-num-seqs`` at once). Reported: requests/s, output to
 tokens/s over the wall time of that call. ``--baseline hf`` times transformers' eager ``generate`` on the same
 weights over the first ``--hf-num-prompts`` prompts in batches of ``--hf-batch-size`` and prints the speed-up in
 output tokens/s. Ceilings (copy bandwidth, matmul rate) are measured in the same process, as in ``bench latency``.
+When the engine measures its live roofline (``rooflm.roofline.live``), the report gives the fraction of their best
+possible time that the steps of the timed call ran at.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 
@@ -43,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from rooflm.bench.latency import build_hf_model, hf_generate_time, kv_cache_bytes, measure_ceilings
     from rooflm.engine.engine import resolve_device, resolve_dtype
     from rooflm.llm import LLM
+    from rooflm.roofline.live import roofline_summary
     from rooflm.sampling_params import SamplingParams
 
     device = resolve_device(args.device)
@@ -68,9 +72,11 @@ def run(args: argparse.Namespace) -> int:
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
 
     params = SamplingParams(temperature=0, max_tokens=L_out, ignore_eos=True)
+    before = copy.copy(engine.get_stats())  # the live roofline of the timed call only
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
+    live = roofline_summary(engine.get_stats(), since=before)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     res: dict = {
         "model": args.model, "dtype": str(dtype).removeprefix("torch."), "num_prompts": N, "input_len": L_in,
@@ -78,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
         "cuda_graphs": engine.runner.graph_runner is not None, "elapsed_s": elapsed,
         "requests_per_s": N / elapsed, "output_tok_s": n_out / elapsed, "total_tok_s": (n_out + N * L_in) / elapsed,
     }
+    if live:
+        res["live_roofline"] = live
     if args.baseline == "hf":
         hf = build_hf_model(engine)
         sub = prompts[: args.hf_num_prompts]
@@ -92,17 +100,28 @@ def run(args: argparse.Namespace) -> int:
                      "requests_per_s": len(sub) / total, "output_tok_s": hf_out / total}
         res["speedup_output_tok_s"] = res["output_tok_s"] / res["hf"]["output_tok_s"]
         del hf
-    c = ceilings
-    print(f"rooflm bench throughput: {args.model} {res['dtype']} {N} prompts x ({L_in} in, {L_out} out), "
-          f"max_num_seqs={seqs}, on {c['device']} (CUDA graphs {'on' if res['cuda_graphs'] else 'off'})")
+    _print(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0
+
+
+def _print(res: dict) -> None:
+    from rooflm.roofline.live import roofline_line
+
+    c = res["ceilings"]
+    print(f"rooflm bench throughput: {res['model']} {res['dtype']} {res['num_prompts']} prompts x "
+          f"({res['input_len']} in, {res['output_len']} out), max_num_seqs={res['max_num_seqs']}, on {c['device']} "
+          f"(CUDA graphs {'on' if res['cuda_graphs'] else 'off'})")
     print(f"  {res['requests_per_s']:.2f} requests/s, {res['output_tok_s']:.0f} output tokens/s, "
-          f"{res['total_tok_s']:.0f} total tokens/s ({elapsed:.1f} s; engine init {init_s:.1f} s)")
+          f"{res['total_tok_s']:.0f} total tokens/s ({res['elapsed_s']:.1f} s; "
+          f"engine init {res['engine_init_s']:.1f} s)")
+    line = roofline_line(res.get("live_roofline"))
+    if line:
+        print(f"  {line}")
     if "hf" in res:
         h = res["hf"]
         print(f"  transformers generate ({h['num_prompts']} prompts, batches of {h['batch_size']}): "
               f"{h['requests_per_s']:.2f} requests/s, {h['output_tok_s']:.0f} output tokens/s; "
               f"speed-up {res['speedup_output_tok_s']:.1f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1, default=str)
-    return 0

@@ -18,6 +18,16 @@ class EngineStats:
     prompt_tokens_total: int = 0  # prompt tokens computed (prefix hits excluded)
     generation_tokens_total: int = 0
     num_steps: int = 0
+    # The live roofline (rooflm.roofline.live.LiveRoofline.fill_stats); the defaults mean "not measured".
+    roofline_fraction: float | None = None  # Σ best possible step time / Σ measured step time
+    roofline_last_fraction: float | None = None  # of the latest step
+    roofline_steps: int = 0  # steps observed
+    roofline_predicted_s: float = 0.0  # Σ best possible step time
+    roofline_measured_s: float = 0.0  # Σ measured step time
+    roofline_fraction_sum: float = 0.0  # Σ per-step fractions (the histogram's sum)
+    roofline_bucket_bounds: tuple[float, ...] = ()  # upper bounds of the per-step fraction buckets, the last +inf
+    roofline_bucket_counts: tuple[int, ...] = ()  # steps per bucket (not cumulative)
+    roofline_hardware: str | None = None  # the ceilings, e.g. "NVIDIA H200 measured: 4.2 TB/s, 760 TFLOP/s"
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rooflm.engine.stats import EngineStats
 
 SYSTEM = ("You are a concise, friendly assistant. Answer in one or two sentences, plainly and accurately, "
           "without lists or headings.")
@@ -88,12 +92,25 @@ def run_demo(args: argparse.Namespace) -> int:
         ("throughput", f"{gen_tokens / wall:.1f} generated tokens/s, {(prompt_tokens + gen_tokens) / wall:.1f} total"),
         ("mean TTFT", f"{1000 * sum(ttfts) / len(ttfts):.0f} ms"),
         ("mean TPOT", f"{1000 * sum(tpots) / max(len(tpots), 1):.1f} ms"),
+    ]
+    print_report(rows, stats)
+    return 0
+
+
+def print_report(rows: list[tuple[str, str]], stats: "EngineStats") -> None:
+    """The demo report: the request figures in ``rows``, then the engine's (prefix cache, KV blocks, preemptions,
+    steps and, when measured, the live roofline)."""
+    from rooflm.roofline.live import roofline_line, roofline_summary
+
+    rows = rows + [
         ("prefix-cache hit rate", f"{100 * stats.prefix_cache_hit_rate:.1f}% of prompt tokens"),
         ("peak KV blocks used", f"{stats.peak_blocks_used} of {stats.num_total_blocks}"),
         ("preemptions", f"{stats.num_preemptions}"),
         ("engine steps", f"{stats.num_steps}"),
     ]
+    line = roofline_line(roofline_summary(stats))
+    if line:
+        rows.append(("roofline", line.removeprefix("roofline: ")))
     print("\n== rooflm demo report ==")
     for k, v in rows:
         print(f"  {k:<22} {v}")
-    return 0

@@ -3,7 +3,9 @@
 Two sources:
 - request-level series observed by the handlers (outcomes, TTFT / TPOT / end-to-end histograms), and
 - engine gauges and counters read at scrape time from the engine thread's latest ``EngineStats`` snapshot
-  (running / waiting sequences, KV-cache blocks and usage, prefix-cache hit rate, prompt / generation tokens).
+  (running / waiting sequences, KV-cache blocks and usage, prefix-cache hit rate, prompt / generation tokens) and,
+  when the engine measures it, the live roofline: the fraction of their best possible time that steps ran at, overall
+  and as a histogram of per-step fractions (``rooflm.roofline.live``).
 
 Each app owns its own ``CollectorRegistry``, so several servers in one process (tests) never collide.
 """
@@ -13,10 +15,12 @@ import time
 from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from rooflm.engine.async_engine import AsyncLLMEngine
+from rooflm.engine.stats import EngineStats
 from rooflm.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -76,6 +80,23 @@ class _EngineCollector(Collector):
         yield counter("rooflm_engine_steps", "Engine steps run.", s.num_steps)
         yield gauge("rooflm_engine_alive", "1 while the engine loop runs, 0 once it stopped.",
                     1.0 if self.engine.is_running else 0.0)
+        if s.roofline_fraction is not None:
+            yield gauge("rooflm_roofline_fraction", "Best possible time of the engine steps run / their measured "
+                        "time (1 = at the roofline).", s.roofline_fraction)
+            yield roofline_histogram(s)
+
+
+def roofline_histogram(s: EngineStats) -> HistogramMetricFamily:
+    """The per-step fraction histogram from a stats snapshot: its per-bucket counts summed into Prometheus'
+    cumulative ``le`` buckets (the last one +Inf, equal to the number of steps)."""
+    buckets, running = [], 0
+    for bound, count in zip(s.roofline_bucket_bounds, s.roofline_bucket_counts):
+        running += count
+        buckets.append((floatToGoString(bound), running))
+    if not buckets or buckets[-1][0] != "+Inf":
+        buckets.append(("+Inf", running))
+    return HistogramMetricFamily("rooflm_step_roofline_fraction", "Per engine step: best possible time / measured "
+                                 "time.", buckets=buckets, sum_value=s.roofline_fraction_sum)
 
 
 class ServerMetrics:

@@ -1,0 +1,78 @@
+"""The live-roofline line of `bench latency`, `bench throughput` and the demo report, from an EngineStats with the
+roofline fields set (and nothing when they are not)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rooflm.bench import latency, throughput
+from rooflm.config import load_model_config
+from rooflm.engine.stats import EngineStats
+from rooflm.entrypoints.demo import print_report
+from rooflm.roofline import Hardware
+from rooflm.roofline.live import LiveRoofline, roofline_summary
+
+CEILINGS = {"device": "test", "copy_gbps": 100.0, "matmul_tflops": 1.0}
+
+
+def _stats(fraction: float = 0.4) -> tuple[EngineStats, LiveRoofline]:
+    hw = Hardware.from_measured(4200, {"bf16": 760}, memory_gib=141, name="NVIDIA H200")
+    live = LiveRoofline(load_model_config("llama-3-8b"), "bfloat16", hw)
+    for b in (1, 8):
+        q, c = [1] * b, [500] * b
+        live.observe(q, c, b, live.predict(q, c, b) / fraction)
+    stats = EngineStats(num_steps=2)
+    live.fill_stats(stats)
+    return stats, live
+
+
+def _expected_line(live: LiveRoofline) -> str:
+    return f"roofline: steps ran at {live.fraction:.1%} of their best possible time (NVIDIA H200 measured: 4.2 TB/s, " \
+           "760 TFLOP/s; 2 steps)"
+
+
+def test_latency_report_prints_the_line_and_keeps_it_in_json(capsys):
+    stats, live = _stats(0.4)
+    res = {"model": "m", "dtype": "bfloat16", "batch_size": 1, "input_len": 8, "output_len": 4, "ceilings": CEILINGS,
+           "attention_backend": ["torch"], "cuda_graphs": False, "engine_init_s": 1.0, "graph_capture_s": 0.0,
+           "warmup_s": 1.0, "ttft_s": 0.1, "tpot_s": 0.01, "decode_tok_s": 100.0, "e2e_tok_s": 50.0}
+    latency._print(res)
+    assert "roofline: steps ran" not in capsys.readouterr().out
+    res["live_roofline"] = roofline_summary(stats)
+    latency._print(res)
+    out = capsys.readouterr().out
+    assert _expected_line(live) in out and f"{live.fraction:.1%}" == "40.0%"
+    assert json.loads(json.dumps(res))["live_roofline"]["fraction"] == pytest.approx(0.4)
+
+
+def test_throughput_report_prints_the_line(capsys):
+    stats, live = _stats(0.813)
+    res = {"model": "m", "dtype": "bfloat16", "num_prompts": 4, "input_len": 8, "output_len": 4, "max_num_seqs": 4,
+           "ceilings": CEILINGS, "engine_init_s": 1.0, "cuda_graphs": False, "elapsed_s": 2.0, "requests_per_s": 2.0,
+           "output_tok_s": 8.0, "total_tok_s": 24.0, "live_roofline": roofline_summary(stats)}
+    throughput._print(res)
+    assert _expected_line(live) in capsys.readouterr().out
+
+
+def test_demo_report_prints_the_line_only_when_measured(capsys):
+    print_report([("requests", "3")], EngineStats(num_steps=5))
+    out = capsys.readouterr().out
+    assert "engine steps" in out and "roofline" not in out
+    stats, live = _stats(0.25)
+    print_report([("requests", "3")], stats)
+    out = capsys.readouterr().out
+    assert _expected_line(live).removeprefix("roofline: ") in out
+    assert "  roofline " in out
+
+
+def test_latency_profile_lines():
+    profile = {"batch_1": {"batch": 1, "steps": 16, "step_wall_ms": 2.5, "gaps": 15, "mean_us": 12.31,
+                           "median_us": 11.0, "p90_us": 20.5, "max_us": 30.0, "trace": "t.batch1.json"},
+               "batch_8": {"batch": 8, "steps": 16, "step_wall_ms": 3.0, "gaps": 0, "mean_us": None,
+                           "median_us": None, "p90_us": None, "max_us": None}}
+    lines = latency.profile_lines(profile)
+    assert lines[0] == ("  GPU idle between decode steps (batch 1): mean 12.3 us, median 11.0 us, p90 20.5 us over "
+                        "15 gaps (2.50 ms per step under the profiler)")
+    assert lines[1] == "    trace: t.batch1.json"
+    assert "batch 8" in lines[2] and "no consecutive steps" in lines[2]
