@@ -120,3 +120,23 @@ def test_decode_rejects_bad_arguments(device):
         paged_decode_attention(q, cache, tables, lens, 1.0, use_dot=False)
     with pytest.raises(ValueError, match="num_splits"):
         paged_decode_attention(q, cache, tables, lens, 1.0, num_splits=0)
+
+
+@pytest.mark.parametrize("num_sms", [8, 132])
+@pytest.mark.parametrize("group", [1, 4])
+def test_decode_default_plan_fills_the_device(num_sms, group):
+    # the plan depends on the batch shape only; it splits until the grid has about 4-8 programs per multiprocessor,
+    # never splits a batch that already has 2 programs per multiprocessor, and keeps tl.dot for GQA
+    from rooflm.kernels.decode_attention import default_plan
+
+    for num_seqs in (1, 2, 3, 8, 32, 256):
+        for num_kv_heads in (1, 8, 32):
+            plan = default_plan(num_seqs, num_kv_heads, group, num_sms)
+            programs = num_seqs * num_kv_heads
+            assert 1 <= plan.num_splits <= 32
+            if programs >= 2 * num_sms:
+                assert plan.num_splits == 1 and plan.use_dot
+            else:
+                assert programs * plan.num_splits >= min(4 * num_sms, 32 * programs)
+            if group > 1:
+                assert plan.use_dot

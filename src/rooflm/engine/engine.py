@@ -83,6 +83,11 @@ class LLMEngine:
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         cfg = self.model_config
 
+        # The live roofline: each step's best possible time on this device's measured ceilings (measured before the
+        # KV pool takes the memory the measurement needs).
+        from rooflm.roofline.live import LiveRoofline
+
+        self.roofline = LiveRoofline.for_engine(cfg, self.dtype, self.device)
         num_blocks = self._num_blocks(cfg)
         self.max_model_len = self._max_model_len(cfg, num_blocks)
         self.eos_token_ids = self._eos_ids(cfg)
@@ -103,7 +108,8 @@ class LLMEngine:
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_graphs(config.max_num_seqs)
         self._ids = itertools.count()
-        self._in_flight: deque[tuple[SchedulerOutput, StepHandle]] = deque()
+        self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float]] = deque()
+        self._last_done = 0.0  # when the host last saw a step complete
         self.stats = EngineStats(num_total_blocks=num_blocks)
 
     # -- set-up ---------------------------------------------------------------------------------------------------------
@@ -217,13 +223,23 @@ class LLMEngine:
         this step, then finish the previous one (its outputs are what this call returns)."""
         out = self.scheduler.schedule()
         if not out.is_empty:
-            self._in_flight.append((out, self.runner.execute(out)))
+            launched = time.perf_counter()
+            self._in_flight.append((out, self.runner.execute(out), launched))
             self.stats.num_steps += 1
         depth = 2 if self.async_scheduling else 1
         if not self._in_flight or (len(self._in_flight) < depth and not out.is_empty):
             return []
-        done_out, handle = self._in_flight.popleft()
-        core_outputs = self.scheduler.update_from_output(done_out, handle.get())
+        done_out, handle, launched = self._in_flight.popleft()
+        result = handle.get()
+        done = time.perf_counter()
+        # A step's time: from its launch (input preparation included) or from the previous step's completion,
+        # whichever is later, to its results being on the host. Under asynchronous scheduling the next step's
+        # preparation overlaps this one and is not counted twice.
+        self.roofline.observe(list(done_out.num_scheduled_tokens.values()),
+                              list(done_out.num_computed_tokens_after.values()),
+                              len(done_out.sampling_req_ids), done - max(launched, self._last_done))
+        self._last_done = done
+        core_outputs = self.scheduler.update_from_output(done_out, result)
         outputs, to_stop = self.output_processor.process(core_outputs, time.monotonic())
         for child_id, stop_str in to_stop:
             self.scheduler.finish_requests([child_id], FINISH_STOP, stop_str)
@@ -241,4 +257,5 @@ class LLMEngine:
         s.num_preemptions = self.scheduler.num_preemptions
         s.prefix_queries = self.kv.prefix_queries
         s.prefix_hits = self.kv.prefix_hits
+        self.roofline.fill_stats(s)
         return s

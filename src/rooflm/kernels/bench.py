@@ -109,11 +109,12 @@ def _cfg_name(c) -> str:
 
 
 def decode_attention_bench(dtype=torch.float16) -> list[dict]:
-    """Decode attention replayed from a CUDA graph over 8 caches (as 8 layers), per call."""
+    """Decode attention replayed from a CUDA graph over 8 caches (as 8 layers), per call. Variants: the default plan,
+    with programmatic dependent launch (pdl) and/or the fused reduction, one split, 8 splits, tl.dot forced."""
     from rooflm.kernels.decode_attention import paged_decode_attention
 
     rows = []
-    for batch, heads, kv_heads, ctx in ((1, 32, 32, 1152), (1, 32, 8, 4096), (32, 32, 32, 1152), (8, 32, 8, 8192)):
+    for batch, heads, kv_heads, ctx in ((1, 32, 32, 1024), (1, 32, 8, 4096), (32, 32, 32, 1024), (8, 32, 8, 8192)):
         bs, d, layers = 16, 128, 8
         nblk = batch * math.ceil(ctx / bs) + 1
         caches = [torch.randn(2, nblk, bs, kv_heads, d, dtype=dtype, device="cuda") for _ in range(layers)]
@@ -122,12 +123,12 @@ def decode_attention_bench(dtype=torch.float16) -> list[dict]:
         q = torch.randn(batch, heads, d, dtype=dtype, device="cuda")
         nbytes = 2 * batch * ctx * kv_heads * d * 2
         res = {}
-        variants = {"auto": (None, None, False), "auto-fused": (None, None, True), "1": (1, None, False),
-                    "4": (4, None, False), "8": (8, None, False), "16": (16, None, False), "18": (18, 64, False),
-                    "24x32": (24, 32, False), "18-fused": (18, 64, True), "24x32-fused": (24, 32, True)}
-        for name, (splits, bn, fused) in variants.items():
-            calls = [lambda s=splits, b=bn, f=fused, c=c: paged_decode_attention(
-                q, c, tables, seq_lens, d ** -0.5, num_splits=s, block_n=b, fused_reduce=f) for c in caches]
+        variants = {"auto": {}, "auto-pdl": {"pdl": True}, "auto-fused": {"fused_reduce": True},
+                    "auto-fused-pdl": {"fused_reduce": True, "pdl": True}, "1": {"num_splits": 1},
+                    "8": {"num_splits": 8}, "dot": {"use_dot": True}, "16x64": {"num_splits": 16, "block_n": 64}}
+        for name, kw in variants.items():
+            calls = [lambda kw=kw, c=c: paged_decode_attention(q, c, tables, seq_lens, d ** -0.5, **kw)
+                     for c in caches]
             res[name] = graph_ms(calls) / layers
         rows.append({"batch": batch, "heads": heads, "kv_heads": kv_heads, "ctx": ctx,
                      "us": {k: round(v * 1e3, 2) for k, v in res.items()},

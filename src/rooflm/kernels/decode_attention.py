@@ -6,9 +6,12 @@
 # 2022) over its tiles and writes a partial output and its log-sum-exp; a second kernel rescales and sums the
 # partials. The paged layout follows PagedAttention (Kwon et al. 2023, vLLM).
 #
-# Why it is shaped the way it is (batch 1, 1k tokens, Llama-2-7B: 16 MiB of K/V per layer, ~5 us at 3 TB/s):
-# - Enough programs to keep every multiprocessor busy in one wave: at batch 1 a program owns ~1 tile, so the time is
-#   one chain of dependent memory round trips (sequence length -> block table -> K/V) plus the bytes. Split s owns
+# Why it is shaped the way it is (batch 1, 1k tokens, Llama-2-7B: 16 MiB of K/V per layer, 5.6 us at the 3.0 TB/s
+# an H100 copies at; a plain 16 MiB streaming read takes 6.95 us in a CUDA graph there, so a single short kernel
+# tops out near 80% of the copy bandwidth at this size; this kernel measured 11.5 us, 49%, against 13.2 us, 42.5%,
+# for the previous one-chunk-per-split version):
+# - Enough programs to keep every multiprocessor busy in one wave: at batch 1 a program owns ~1-2 tiles, so the time
+#   is one chain of dependent memory round trips (sequence length -> block table -> K/V) plus the bytes. Split s owns
 #   tiles s, s + S, s + 2S, ... (interleaved, not one contiguous chunk), so without a sliding window a program's first
 #   tile does not depend on the sequence length: its block-table entries are loaded at once, in parallel with the
 #   length, which removes one round trip from the chain; each later tile's entries are prefetched one tile ahead.
@@ -36,10 +39,15 @@
 # The kernel reads no host value that changes between steps (only num_splits, chosen from the batch shape), so a
 # decode step that calls it can be captured in a CUDA graph and replayed at any context length. num_splits is a
 # runtime argument (one compile serves every batch size). With fused_reduce=True the last split program of each
-# (sequence, KV head) combines the partials instead of a second kernel (an atomic ticket, one launch).
+# (sequence, KV head) combines the partials instead of a second kernel (an atomic ticket, one launch): 0.25 us faster
+# for MHA at batch 1, 1k tokens on an H100, but 5-6 us slower for GQA (the last program combines GROUP heads one after
+# another), so it is off by default. pdl=True saved 1.0-1.1 us for GQA at batch 1 (1k and 4k tokens) on an H100 in
+# back-to-back CUDA-graph replays, but cost ~5 us with the default MHA plan (1024 one-warp programs; cause not
+# established), so it is off by default and left to the caller.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -291,13 +299,34 @@ def pdl_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 32,
-                       waves: float = 4.0) -> int:
-    """About ``waves`` (sequence, KV head, split) programs per multiprocessor: a program holds few registers and
-    its loads are one or two tiles, so several resident programs per multiprocessor keep enough bytes in flight.
-    Depends on the batch shape only, so a captured CUDA graph keeps its value for every context length."""
+@dataclass(frozen=True)
+class DecodePlan:
+    """Launch shape of one decode-attention call: split count, inner loop and tile."""
+    num_splits: int
+    use_dot: bool
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_plan(num_seqs: int, num_kv_heads: int, group: int, num_sms: int, max_splits: int = 32) -> DecodePlan:
+    """Depends on the batch shape only, so a captured CUDA graph keeps it for every context length. Measured on an
+    H100 (Llama-2-7B heads, CUDA-graph replays over caches larger than the L2):
+    - at least 2 (sequence, KV head) programs per multiprocessor: one program per pair, no split, tl.dot tiles of 64
+      tokens with the K/V loads software-pipelined (cp.async): 180 us at batch 32 MHA, 1k tokens (the dot-free loop
+      has no pipelining and measured 191 us);
+    - small MHA batches: the dot-free loop in one-warp programs over 16-token tiles, about 8 programs per
+      multiprocessor (32 splits at batch 1: 11.6 us for 16 MiB against 12.3-16 us for 2- or 4-warp programs,
+      32-64 token tiles or 8-16 splits);
+    - small GQA batches: tl.dot over 32-token tiles, 4 warps, 3 pipeline stages, about 4 programs per multiprocessor
+      (32 splits at batch 1, 4k tokens: 12.0 us against 12.3-13.5 us for 16-24 splits or 64-token tiles)."""
     programs = max(1, num_seqs * num_kv_heads)
-    return max(1, min(max_splits, math.ceil(waves * num_sms / programs)))
+    if programs >= 2 * num_sms:
+        return DecodePlan(1, True, 64, 4, 2)
+    row_splits = math.ceil(8 * num_sms / programs)
+    if group == 1 and row_splits >= 16:
+        return DecodePlan(min(max_splits, row_splits), False, 16, 1, 2)
+    return DecodePlan(max(1, min(max_splits, math.ceil(4 * num_sms / programs))), True, 32, 4, 3)
 
 
 def paged_decode_attention(
@@ -315,11 +344,12 @@ def paged_decode_attention(
     use_dot: bool | None = None,
     lanes: bool = False,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Decode attention over a paged KV cache. ``pdl`` launches with programmatic dependent launch where supported
-    (see the module header for what it requires of the preceding kernel); ``use_dot`` None picks tl.dot for GQA and
-    the dot-free path for MHA (True forces tl.dot; False is only valid for MHA)."""
+    """Decode attention over a paged KV cache. Arguments left at None come from ``default_plan`` (the batch shape).
+    ``pdl`` launches with programmatic dependent launch where supported (see the module header for what it requires
+    of the kernel launched just before); ``use_dot`` True forces tl.dot, False the dot-free loop (MHA only), whose
+    softmax state is kept per tile row when ``lanes``."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
     if cache_dim != head_dim or num_heads % num_kv_heads:
@@ -327,9 +357,7 @@ def paged_decode_attention(
     check_last_dim_contiguous("q", q)
     check_last_dim_contiguous("kv_cache", kv_cache)
     group = num_heads // num_kv_heads
-    if use_dot is None:
-        use_dot = group > 1
-    if not use_dot and group > 1:
+    if use_dot is False and group > 1:
         raise ValueError(f"use_dot=False needs num_heads == num_kv_heads; got {num_heads} and {num_kv_heads}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -337,8 +365,15 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     if num_seqs == 0:
         return out
+    plan = default_plan(num_seqs, num_kv_heads, group, device_sms(q))
     if num_splits is None:
-        num_splits = default_num_splits(num_seqs, num_kv_heads, device_sms(q))
+        num_splits = plan.num_splits
+    if use_dot is None:
+        use_dot = plan.use_dot if num_splits == plan.num_splits else group > 1 or num_splits == 1
+    if use_dot == plan.use_dot:
+        block_n = block_n or (plan.block_n if head_dim <= 128 else min(plan.block_n, 32))
+        num_warps = num_warps or plan.num_warps
+        num_stages = num_stages or plan.num_stages
     use_pdl = bool(pdl) and pdl_supported(q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     head_dim_pad = max(16, next_pow2(head_dim))
@@ -369,7 +404,7 @@ def paged_decode_attention(
         DIRECT=direct, FUSED_REDUCE=fused, SPLITS_PAD=splits_pad if fused else 1, HAS_WINDOW=window > 0, USE_PDL=use_pdl,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, USE_DOT=use_dot, LANES=lanes,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n, DOT_UPCAST=dot_upcast(q.dtype),
-        num_warps=num_warps or 4, num_stages=num_stages, **launch,
+        num_warps=num_warps or 4, num_stages=num_stages or 2, **launch,
     )
     if not direct and not fused:
         _decode_reduce_kernel[(num_seqs, num_heads)](

@@ -59,7 +59,7 @@ class InputBatch:
         self.block_table = np.zeros((max_rows, max_blocks_per_seq), dtype=np.int64)
         self.last_token = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.params = torch.zeros(_PARAM_ROWS, max_rows, dtype=torch.float32, device=device)
-        self.output_counts: torch.Tensor | None = None  # [max_rows, vocab] float32, rows with penalties only
+        self.output_counts: torch.Tensor | None = None  # [max_rows, vocab] int32, rows with penalties only
         self.prompt_mask: torch.Tensor | None = None  # [max_rows, vocab] bool
         self._pin = device.type == "cuda"
 
@@ -88,18 +88,15 @@ class InputBatch:
         return state
 
     def _init_penalty_row(self, s: CachedRequestState) -> None:
+        from rooflm.layers.sampler import token_counts, token_mask
+
         if self.output_counts is None:
-            self.output_counts = torch.zeros(self.max_rows, self.vocab_size, dtype=torch.float32, device=self.device)
+            # int32 counts: half the memory of int64, the same penalties.
+            self.output_counts = torch.zeros(self.max_rows, self.vocab_size, dtype=torch.int32, device=self.device)
             self.prompt_mask = torch.zeros(self.max_rows, self.vocab_size, dtype=torch.bool, device=self.device)
-        counts = torch.zeros(self.vocab_size + 1, dtype=torch.float32)
-        mask = torch.zeros(self.vocab_size + 1, dtype=torch.bool)
-        # Out-of-vocabulary ids land in a scratch column that is dropped.
-        prompt = torch.tensor(s.token_ids[:s.num_prompt_tokens], dtype=torch.int64).clamp_(max=self.vocab_size)
-        outputs = torch.tensor(s.token_ids[s.num_prompt_tokens:], dtype=torch.int64).clamp_(max=self.vocab_size)
-        mask[prompt] = True
-        counts.scatter_add_(0, outputs, torch.ones(len(outputs)))
-        self.output_counts[s.row] = self._to_device(counts[:-1])
-        self.prompt_mask[s.row] = self._to_device(mask[:-1])
+        outputs = [s.token_ids[s.num_prompt_tokens:]]
+        self.output_counts[s.row].copy_(token_counts(outputs, self.vocab_size, self.device, torch.int32)[0])
+        self.prompt_mask[s.row].copy_(token_mask([s.token_ids[:s.num_prompt_tokens]], self.vocab_size, self.device)[0])
 
     def append_blocks(self, req_id: str, block_ids: list[int]) -> None:
         if not block_ids:
@@ -121,8 +118,9 @@ class InputBatch:
                        penalty_index: torch.Tensor | None) -> None:
         """After sampling (device tensors, no sync): ``last_token[rows] = sampled``; penalty rows count their token.
         ``penalty_index`` selects, among the sampled rows, those with penalties (persistent rows ``penalty_rows``)."""
+        from rooflm.layers.sampler import add_tokens_to_counts
+
         self.last_token.index_copy_(0, rows, sampled)
         if penalty_rows and self.output_counts is not None and penalty_index is not None:
-            prow = rows.index_select(0, penalty_index)
-            ptok = sampled.index_select(0, penalty_index)
-            self.output_counts.index_put_((prow, ptok), torch.ones_like(ptok, dtype=torch.float32), accumulate=True)
+            add_tokens_to_counts(self.output_counts, rows.index_select(0, penalty_index),
+                                 sampled.index_select(0, penalty_index))

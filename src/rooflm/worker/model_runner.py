@@ -237,16 +237,16 @@ class ModelRunner:
         # Banned ids while under min_tokens: decided by the runner's own count of sampled tokens (the scheduler's
         # host copy may lag a step behind under asynchronous scheduling).
         banned = [banned_token_ids(s.num_output_tokens, s.params, self.eos_token_ids) for s in sampling]
-        md = SamplingMetadata.from_params(params, [[] for _ in sampling], [[] for _ in sampling],
-                                          [s.generator for s in sampling], self.device, banned)
         penalty_pos = [i for i, s in enumerate(sampling) if s.penalties]
         penalty_rows = [sampling[i].row for i in penalty_pos]
-        penalty_index = None
+        penalty_index = counts = mask = None
         if penalty_pos:
             penalty_index = torch.tensor(penalty_pos, device=self.device)
-            b = self.batch
-            md.output_token_counts = b.output_counts.index_select(0, rows)
-            md.prompt_token_mask = b.prompt_mask.index_select(0, rows)
+            counts = self.batch.output_counts.index_select(0, rows)  # [N, V]; rows without penalties ignore it
+            mask = self.batch.prompt_mask.index_select(0, rows)
+        empty = [[] for _ in sampling]
+        md = SamplingMetadata.from_params(params, empty, empty, [s.generator for s in sampling], self.device, banned,
+                                          output_token_counts=counts, prompt_token_mask=mask)
         return md, penalty_rows, penalty_index
 
     def _prompt_logprobs(self, states: list[CachedRequestState], out: SchedulerOutput, hidden: torch.Tensor,
