@@ -2,14 +2,13 @@
 
 GPU path: Triton attention backend, fused rotary + cache write, fused add + RMSNorm, SiLU-and-mul, GEMV dispatch and
 the decode steps replayed from a CUDA graph. Reference path: TorchRefAttention and plain-torch layers
-(``rooflm.kernels.disabled()``), eager. Both run the same dummy weights; the GPU path is teacher-forced with the
+(``select_ops(model, "native")``), eager. Both run the same dummy weights; the GPU path is teacher-forced with the
 reference's greedy tokens, so every step sees the same inputs and the logits can be compared step by step.
 
 "Within fp16 tolerance" is measured, not assumed: the same reference path run in float32 (same weights) is the
 exact answer, and the fp16 GPU path must stay as close to it as the fp16 reference path does (at most twice its
 error), with every greedy choice a near-maximum of the float32 logits.
 """
-import contextlib
 import math
 
 import pytest
@@ -18,22 +17,13 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from rooflm import kernels  # noqa: E402
 from rooflm.attention.metadata_utils import allocate_kv_caches, build_attention_metadata  # noqa: E402
-from rooflm.attention.torch_ref import TorchRefAttention  # noqa: E402
-from rooflm.attention.triton_backend import TritonAttention  # noqa: E402
-from rooflm.layers.attention import Attention  # noqa: E402
+from rooflm.layers.custom_op import chosen_ops, select_ops  # noqa: E402
 from rooflm.loader import load_model  # noqa: E402
 from rooflm.worker.cuda_graphs import DecodeGraphRunner  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 BS = 16
-
-
-def set_backend(model, backend) -> None:
-    for m in model.modules():
-        if isinstance(m, Attention):
-            m.backend = backend
 
 
 @torch.inference_mode()
@@ -47,29 +37,28 @@ def run_path(model, cfg, prompt: list[int], forced: list[int] | None, steps: int
     caches = allocate_kv_caches(cfg.num_hidden_layers, n_blocks, BS, cfg.num_key_value_heads, cfg.head_dim,
                                 dtype, "cuda")
     table = list(range(1, n_blocks))  # block 0 stays free: the graph's capture rows read it
-    set_backend(model, TorchRefAttention() if reference else TritonAttention())
-    ctx = kernels.disabled() if reference else contextlib.nullcontext()
+    chosen = select_ops(model, "native" if reference else "triton")
+    assert set(chosen.values()) == {"native" if reference else "triton"}
     logits, fed = [], []
-    with ctx:
-        meta, pos = build_attention_metadata([table], [0], [len(prompt)], BS, "cuda")
-        hidden = model(torch.tensor(prompt, device="cuda"), pos, caches, meta)
-        logits.append(model.compute_logits(hidden[-1:])[0])
-        runner = None
-        if graphs:
-            runner = DecodeGraphRunner(model, caches, 1, n_blocks, torch.device("cuda"))
-            runner.capture([1])
-        for j in range(steps):
-            tok = forced[j] if forced is not None else int(logits[-1].argmax())
-            fed.append(tok)
-            meta, pos = build_attention_metadata([table], [len(prompt) + j], [1], BS, "cuda")
-            ids = torch.tensor([tok], device="cuda")
-            if runner is not None:
-                assert runner.can_run(meta)
-                runner.run(ids, pos, meta)
-                logits.append(runner.logits[0].clone())  # the LM head replayed from the graph
-                continue
-            hidden = model(ids, pos, caches, meta)
-            logits.append(model.compute_logits(hidden[-1:])[0].clone())
+    meta, pos = build_attention_metadata([table], [0], [len(prompt)], BS, "cuda")
+    hidden = model(torch.tensor(prompt, device="cuda"), pos, caches, meta)
+    logits.append(model.compute_logits(hidden[-1:])[0])
+    runner = None
+    if graphs:
+        runner = DecodeGraphRunner(model, caches, 1, n_blocks, torch.device("cuda"))
+        runner.capture([1])
+    for j in range(steps):
+        tok = forced[j] if forced is not None else int(logits[-1].argmax())
+        fed.append(tok)
+        meta, pos = build_attention_metadata([table], [len(prompt) + j], [1], BS, "cuda")
+        ids = torch.tensor([tok], device="cuda")
+        if runner is not None:
+            assert runner.can_run(meta)
+            runner.run(ids, pos, meta)
+            logits.append(runner.logits[0].clone())  # the LM head replayed from the graph
+            continue
+        hidden = model(ids, pos, caches, meta)
+        logits.append(model.compute_logits(hidden[-1:])[0].clone())
     return logits, fed
 
 
@@ -86,8 +75,9 @@ def compare(out: list[torch.Tensor], exact: list[torch.Tensor]) -> tuple[float, 
 
 @pytest.fixture(scope="module")
 def llama7b():
-    model, cfg = load_model("llama-2-7b", load_format="dummy", dtype=torch.float16, device="cuda",
-                            attn_backend=TritonAttention(), seed=1, show_progress=False)
+    model, cfg = load_model("llama-2-7b", load_format="dummy", dtype=torch.float16, device="cuda", ops="auto",
+                            seed=1, show_progress=False)
+    assert set(chosen_ops(model).values()) == {"triton"}, "ops='auto' on CUDA must choose the Triton path"
     yield model, cfg
     del model
     torch.cuda.empty_cache()
@@ -98,8 +88,8 @@ def test_llama7b_gpu_path_logits_match_reference_over_64_decode_steps(llama7b):
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, cfg.vocab_size, (211,), generator=g).tolist()  # odd length, crosses 14 blocks
     ref16, tokens = run_path(model, cfg, prompt, None, 64, reference=True)
-    model32, _ = load_model("llama-2-7b", load_format="dummy", dtype=torch.float32, device="cuda",
-                            attn_backend=TorchRefAttention(), seed=1, show_progress=False)
+    model32, _ = load_model("llama-2-7b", load_format="dummy", dtype=torch.float32, device="cuda", ops="native",
+                            seed=1, show_progress=False)
     with torch.no_grad():
         for p32, p16 in zip(model32.parameters(), model.parameters(), strict=True):
             p32.copy_(p16)
@@ -141,4 +131,4 @@ def test_engine_with_cuda_graphs_matches_reference_tokens():
             for step, (tok, r) in enumerate(zip(toks, ref_logits)):
                 assert r[tok] >= r.max() - 0.02 * r.std(), f"step {step}: token {tok} is not a reference near-max"
     finally:
-        set_backend(model, TritonAttention())
+        select_ops(model, "triton")

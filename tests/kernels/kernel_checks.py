@@ -102,17 +102,28 @@ def check_prefill(num_heads, num_kv_heads, head_dim, block_size, ctx_lens, q_len
 
 def check_backend(num_heads, num_kv_heads, head_dim, block_size, ctx_lens, q_lens, window=None,
                   dtype=torch.float16, device="cpu", seed=0):
-    """TritonAttention against TorchRefAttention: same output and the same cache afterwards."""
+    """TritonAttention against TorchRefAttention through the whole protocol a model calls (rotary_and_write, then
+    attend): same rotated queries, same cache afterwards (cache slots not written must be untouched), same output."""
     from rooflm.attention.torch_ref import TorchRefAttention
     from rooflm.attention.triton_backend import TritonAttention
 
     g = torch.Generator().manual_seed(seed)
     q, k, v, cache, meta = make_step(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, g)
-    cache_ref = cache.clone()
+    angles = 100 * torch.rand(q.shape[0], head_dim // 2, generator=g)  # per-token rows, as the model passes them
+    cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
     scale = head_dim ** -0.5
-    out = TritonAttention().forward(q, k, v, cache, meta, scale, window)
-    ref = TorchRefAttention().forward(q, k, v, cache_ref, meta, scale, window)
-    assert torch.equal(cache, cache_ref), "the K/V cache written by the Triton backend differs from the reference"
+    cache_ref = cache.clone()
+    ref_q, _ = TorchRefAttention().rotary_and_write(q.clone(), k.clone(), v.clone(), cos, sin, cache_ref, meta)
+    ref = TorchRefAttention().attend(ref_q, cache_ref, meta, scale, window)
+    backend = TritonAttention()
+    rq, _ = backend.rotary_and_write(q, k, v, cos, sin, cache, meta)
+    out = backend.attend(rq, cache, meta, scale, window)
+    assert_close(rq, ref_q, dtype, "backend rotated q")
+    written = torch.zeros(cache.shape[1] * cache.shape[2], dtype=torch.bool, device=device)
+    written[meta.slot_mapping] = True
+    written = written.view(cache.shape[1], cache.shape[2])
+    assert torch.equal(cache[:, ~written], cache_ref[:, ~written]), "the backend changed cache slots it was not given"
+    assert_close(cache[:, written], cache_ref[:, written], dtype, "backend cache write")
     assert_close(out, ref, dtype, f"backend ctx={ctx_lens} q={q_lens} w={window}")
 
 

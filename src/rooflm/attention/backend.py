@@ -43,17 +43,33 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """Writes the new K/V into the cache, then attends each sequence's queries to its cached context (causal,
-    optionally a sliding window of the last ``sliding_window`` positions, the query's own included)."""
+    """Everything a model calls on its attention backend, once per layer and step, in this order:
+
+    1. ``rotary_and_write``: rotate the new queries and keys by their positions (RoPE, Su et al. 2021, Hugging Face's
+       "rotate_half" layout) and write the rotated keys and the values into the paged cache at ``meta.slot_mapping``;
+    2. ``attend``: attend each sequence's queries to its cached context, the new tokens included (causal, optionally
+       a sliding window of the last ``sliding_window`` positions, the query's own included).
+
+    ``name`` ("torch" or "triton") tells the engine whether a step can be captured in a CUDA graph."""
 
     name: str
 
-    def forward(
+    def rotary_and_write(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        cos: torch.Tensor,  # [num_tokens, head_dim // 2]: row t is token t's angles (q's dtype)
+        sin: torch.Tensor,  # [num_tokens, head_dim // 2]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # rotated (q, k); a backend may rotate the inputs in place and return them
+        ...
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated
+        kv_cache: torch.Tensor,  # holds every context token of the step's sequences, the new ones included
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from rooflm.attention.backend import AttentionMetadata, write_kv_cache
+from rooflm.layers.rotary import apply_rotary
 
 
 def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,19 +75,35 @@ def attend_decode_batched(
 
 
 class TorchRefAttention:
+    """The reference backend (see ``AttentionBackend``). Any device; its ``attend`` reads host copies of the
+    metadata and checks the slots on the host, so a step through it cannot be captured in a CUDA graph."""
+
     name = "torch"
 
-    def forward(
+    def rotary_and_write(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns new rotated tensors (the inputs are left as they are)."""
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        return q, k
+
+    def attend(
+        self,
+        q: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         if meta.is_decode_only and meta.num_seqs > 1:
             return attend_decode_batched(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window)
         out = torch.empty_like(q)

@@ -4,35 +4,8 @@ Kernels run on CUDA; on a CPU the same code runs under Triton's interpreter (``T
 ``triton`` is imported), which is how ``tests/kernels`` checks them in CI. Importing this package does not import
 triton; each kernel module does.
 
-The layers (``rooflm.layers``: linear, norm, activation) dispatch CUDA tensors to these kernels while
-``enabled()``; ``ROOFLM_KERNELS=0`` in the environment, or ``set_enabled(False)`` / ``with disabled():``, keeps every
-layer on its plain-torch path (the reference the GPU path is checked against). Attention follows the engine's
-``attention_backend`` instead.
+The layers do not consult any global switch here: each op (``rooflm.layers.custom_op.CustomOp``) chooses between its
+plain-torch path and these kernels once, when the model is built under ``op_selection(device, ops, attention)``.
+``ops="auto"`` takes the kernels on CUDA unless ``ROOFLM_KERNELS=0`` is set in the environment; ``ops="native"`` (or
+``select_ops(model, "native")`` on a built model) keeps every layer on the reference path.
 """
-from __future__ import annotations
-
-import contextlib
-import os
-from collections.abc import Iterator
-
-_enabled = os.environ.get("ROOFLM_KERNELS", "1") != "0"
-
-
-def enabled() -> bool:
-    return _enabled
-
-
-def set_enabled(flag: bool) -> None:
-    global _enabled
-    _enabled = bool(flag)
-
-
-@contextlib.contextmanager
-def disabled() -> Iterator[None]:
-    """Plain-torch layers inside the block (the reference path)."""
-    old = _enabled
-    set_enabled(False)
-    try:
-        yield
-    finally:
-        set_enabled(old)

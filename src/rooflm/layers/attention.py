@@ -1,21 +1,27 @@
-"""The attention layer seen by a model: reshape to heads, call the attention backend over the paged KV cache."""
+"""The attention layer seen by a model: rotary embedding, KV-cache write and attention over the paged cache, all
+through the attention backend this layer chose when it was built (see ``AttentionBackend``)."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from rooflm.attention.backend import AttentionBackend, AttentionMetadata
+from rooflm.attention.backend import AttentionBackend, AttentionMetadata, get_attention_backend
+from rooflm.layers.custom_op import NATIVE, TRITON, CustomOp, OpSelection
 
 
-class Attention(nn.Module):
-    """Stateless apart from its shape: the cache tensor and the metadata come with every call."""
+class Attention(CustomOp):
+    """Stateless apart from its shape and its backend: the cache tensor and the metadata come with every call.
+
+    The backend ("torch", the reference, or "triton") follows the op selection's ``attention`` setting; ``impl`` is
+    "native" for the torch backend and "triton" for the Triton one. ``backend`` is kept as an attribute: the engine
+    reads its ``name`` to decide whether decode steps can be captured in a CUDA graph."""
+
+    backend: AttentionBackend
 
     def __init__(
         self,
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        backend: AttentionBackend,
         scale: float | None = None,
         sliding_window: int | None = None,
     ) -> None:
@@ -25,23 +31,29 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
-        self.backend = backend
 
-    def forward(
+    def choose(self, selection: OpSelection) -> None:
+        name = selection.attention_impl()
+        self.backend = get_attention_backend(name)
+        self._set_impl(NATIVE if name == "torch" else TRITON)
+
+    def forward_native(
         self,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim] (rotated)
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim] (rotated)
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        cos: torch.Tensor,  # [num_tokens, head_dim // 2]
+        sin: torch.Tensor,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
-        kv_written: bool = False,  # the caller already wrote k/v into the cache (backend.rotary_and_write, GPU)
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
-        if kv_written:
-            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, kv_written=True)
-        else:
-            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        q, k = self.backend.rotary_and_write(q, k, v, cos, sin, kv_cache, meta)
+        out = self.backend.attend(q, kv_cache, meta, self.scale, self.sliding_window)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    # The two paths differ only in the backend chosen above.
+    forward_cuda = forward_native
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"sliding_window={self.sliding_window}, backend={getattr(self.backend, 'name', '?')}")
+                f"sliding_window={self.sliding_window}, backend={self.backend.name}")

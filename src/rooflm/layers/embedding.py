@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rooflm.layers.linear import apply_linear
+from rooflm.layers.custom_op import CustomOp
+from rooflm.layers.linear import linear_native, linear_triton
 
 
 class VocabEmbedding(nn.Module):
@@ -18,7 +19,7 @@ class VocabEmbedding(nn.Module):
         return F.embedding(input_ids, self.weight)
 
 
-class LMHead(nn.Module):
+class LMHead(CustomOp):
     """Hidden states to float32 logits. With ``tie_to`` it reuses that embedding's weight (no copy)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tie_to: VocabEmbedding | None = None) -> None:
@@ -29,6 +30,9 @@ class LMHead(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward_native(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> [N, vocab] float32."""
-        return apply_linear(hidden, self.weight).float()
+        return linear_native(hidden, self.weight).float()
+
+    def forward_cuda(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear_triton(hidden, self.weight).float()

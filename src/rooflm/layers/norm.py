@@ -1,11 +1,14 @@
 """RMSNorm, alone and fused with the residual add that precedes it in every pre-norm decoder layer.
 
-The torch functions here are the reference; a fused GPU kernel slots in behind the same signatures.
+The torch functions here are the reference (``forward_native``); ``forward_cuda`` runs one Triton kernel for the add
+and the norm with the same roundings (``rooflm/kernels/rmsnorm.py``).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from rooflm.layers.custom_op import CustomOp
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,24 +27,27 @@ def add_rms_norm(
     return rms_norm(residual, weight, eps), residual
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CustomOp):
+    """``norm(x)``, or with ``residual``: (norm(x + residual), x + residual)."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
-    def forward(
+    def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without ``residual``: the normalised x. With it: (normalised x + residual, the new residual)."""
-        if x.is_cuda:
-            # GPU fast path (issue 5): one Triton kernel for add + norm, same roundings; rooflm/kernels/rmsnorm.py
-            from rooflm import kernels
-
-            if kernels.enabled():
-                from rooflm.kernels.rmsnorm import rms_norm as fused_rms_norm
-
-                return fused_rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+    def forward_cuda(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        from rooflm.kernels.rmsnorm import rms_norm as fused_rms_norm
+
+        return fused_rms_norm(x, self.weight, self.eps, residual)
+
+    def extra_repr(self) -> str:
+        return f"hidden={self.weight.shape[0]}, eps={self.eps}, impl={self.impl}"

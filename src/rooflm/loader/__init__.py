@@ -5,6 +5,9 @@ Accepted ``model`` values:
 - a Hugging Face checkpoint folder (config.json + *.safetensors, sharded or not);
 - a ``.gguf`` file (or a folder holding exactly one and no config.json);
 - a named config (``llama-2-7b``, see ``rooflm.config.named_configs()``) or a config.json file: random weights.
+
+The model is built inside ``op_selection(device, ops, attention)`` (``rooflm.layers.custom_op``): each layer picks
+its reference or Triton implementation, and its attention backend, once, there.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from rooflm.attention.backend import AttentionBackend
 from rooflm.config import LOAD_FORMATS, ModelConfig, load_model_config, named_configs
 from rooflm.loader.default_model import default_model_path
 
@@ -92,22 +96,40 @@ def _progress(weights: Iterable[tuple[str, torch.Tensor]], total: int, enabled: 
     return tqdm(weights, total=total, desc=desc, unit="tensor", leave=False)
 
 
+def _attention_setting(attn_backend: str | AttentionBackend) -> str:
+    """The op-selection ``attention`` value of a backend name or a backend object (its ``name``)."""
+    from rooflm.layers.custom_op import ATTENTION_CHOICES
+
+    name = attn_backend if isinstance(attn_backend, str) else attn_backend.name
+    if name not in ATTENTION_CHOICES:
+        raise ValueError(f"attn_backend={attn_backend!r} is invalid: expected one of {ATTENTION_CHOICES} "
+                         "or a backend object with one of those names")
+    return name
+
+
 def load_model(
     model: str | None = None,
     load_format: str = "auto",
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
-    attn_backend=None,
+    attn_backend: str | AttentionBackend = "auto",
     seed: int = 0,
     show_progress: bool = True,
+    ops: str = "auto",
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for ``model`` on ``device`` in ``dtype`` and fill its weights. Returns (model in eval mode,
-    its ModelConfig). Errors: FileNotFoundError for a missing model/weight file, ValueError for a corrupt file, a
-    missing tensor, a shape mismatch or an unsupported architecture (each naming the thing)."""
-    from rooflm.attention.backend import get_attention_backend
+    its ModelConfig).
+
+    ``ops`` ("auto" | "native" | "triton") picks the layers' implementation and ``attn_backend`` ("auto" | "torch" |
+    "triton", or a backend object, whose ``name`` is used) the attention backend; see ``rooflm.layers.custom_op``.
+    Errors: FileNotFoundError for a missing model/weight file, ValueError for a bad ``ops``/``attn_backend`` value, a
+    corrupt file, a missing tensor, a shape mismatch or an unsupported architecture (each naming the thing)."""
+    from rooflm.layers.custom_op import OpSelection, op_selection
     from rooflm.models import get_model_class
 
     device = torch.device(device)
+    attention = _attention_setting(attn_backend)
+    OpSelection(device, ops, attention)  # ValueError naming the field before any file is read
     dtype = _as_dtype(dtype, device)
     path, fmt = resolve_model(model, load_format)
     if fmt == "gguf":
@@ -117,11 +139,9 @@ def load_model(
     else:
         cfg = load_model_config(path)
     model_cls = get_model_class(cfg)  # unsupported architecture: ValueError before any allocation
-    if attn_backend is None:
-        attn_backend = get_attention_backend("auto", device)
 
-    with _build_on(dtype, device):
-        net = model_cls(cfg, attn_backend)
+    with _build_on(dtype, device), op_selection(device, ops, attention):
+        net = model_cls(cfg)
     if fmt == "dummy":
         from rooflm.loader.dummy import init_dummy_weights
 

@@ -6,6 +6,10 @@ Weights are FUSED: one ``qkv_proj`` ([q | k | v] rows) and one ``gate_up_proj`` 
 
 Data flow (no padding, no batch dimension): T tokens of any number of sequences,
   input_ids [T] -> hidden [T, hidden] -> decoder layers (residual stream kept apart) -> final norm -> [T, hidden].
+
+Every op with a fast path (projections, norms, activation, attention backend) chose its implementation when the
+model was built: build it inside ``rooflm.layers.custom_op.op_selection`` (the loader does), or re-choose with
+``select_ops``.
 """
 from __future__ import annotations
 
@@ -14,14 +18,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from rooflm.attention.backend import AttentionBackend, AttentionMetadata
+from rooflm.attention.backend import AttentionMetadata
 from rooflm.config import ModelConfig
 from rooflm.layers.activation import get_gated_activation
 from rooflm.layers.attention import Attention
 from rooflm.layers.embedding import LMHead, VocabEmbedding
 from rooflm.layers.linear import Linear
 from rooflm.layers.norm import RMSNorm
-from rooflm.layers.rotary import RotaryEmbedding, apply_rotary
+from rooflm.layers.rotary import RotaryEmbedding
 from rooflm.models.weights import WeightTarget, load_named_weights, rows
 
 
@@ -37,7 +41,7 @@ def layer_sliding_window(cfg: ModelConfig, layer_idx: int) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -47,7 +51,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         # HF Llama's attention_bias also covers o_proj; Qwen2's q/k/v bias does not.
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias and cfg.model_type == "llama")
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend,
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               sliding_window=layer_sliding_window(cfg, layer_idx))
 
     def forward(
@@ -60,19 +64,11 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         T = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        fused_rotary = getattr(self.attn.backend, "rotary_and_write", None)
-        if fused_rotary is not None and hidden.is_cuda:
-            # GPU fast path (issue 5): one Triton kernel rotates q, k in place and writes k, v into the paged cache
-            # (rooflm/kernels/kv_cache.py); cos/sin rows are per token, as apply_rotary takes them.
-            q = q.view(T, self.num_heads, self.head_dim)
-            k = k.view(T, self.num_kv_heads, self.head_dim)
-            v = v.view(T, self.num_kv_heads, self.head_dim)
-            fused_rotary(q, k, v, None, cos, sin, kv_cache, meta)
-            return self.o_proj(self.attn(q, k, v, kv_cache, meta, kv_written=True))
-        q = apply_rotary(q.view(T, self.num_heads, self.head_dim), cos, sin)  # [T, num_heads, head_dim]
-        k = apply_rotary(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)  # [T, num_kv_heads, head_dim]
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        # The backend rotates q, k, writes k, v into the paged cache, then attends over the cache.
+        return self.o_proj(self.attn(q, k, v, cos, sin, kv_cache, meta))
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         """HF names ``{prefix}.q_proj.weight`` etc. -> row ranges of the fused qkv_proj."""
@@ -119,10 +115,10 @@ class LlamaDecoderLayer(nn.Module):
 
     mlp_prefix = "mlp"  # the HF module name of the feed-forward block
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_idx, backend)
+        self.self_attn = LlamaAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = self.make_mlp(cfg)
 
@@ -160,11 +156,11 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     layer_class = LlamaDecoderLayer
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(self.layer_class(cfg, i, backend) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
@@ -195,10 +191,10 @@ class LlamaForCausalLM(nn.Module):
 
     model_class = LlamaModel
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = self.model_class(config, attn_backend)
+        self.model = self.model_class(config)
         tie = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie)
 
@@ -230,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Llama with sliding-window attention (``config.sliding_window``), passed to the attention backend."""
+    """Llama with sliding-window attention (``config.sliding_window``), applied by the attention backend."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -2,16 +2,20 @@
 
 Expert weights are stacked per layer: ``w13`` [num_experts, 2 * intermediate, hidden] (rows [w1=gate | w3=up]) and
 ``w2`` [num_experts, hidden, intermediate]. The routing and expert loop here is the plain torch reference; a fused
-MoE kernel can replace ``moe_forward`` behind the same signature.
+MoE kernel can replace ``moe_forward`` behind the same signature. On the Triton path the expert projections of small
+batches go to the GEMV kernels (``linear_triton``) and the activation is the fused ``SiluAndMul``.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from rooflm.config import ModelConfig
 from rooflm.layers.activation import get_gated_activation
-from rooflm.layers.linear import Linear, apply_linear
+from rooflm.layers.custom_op import CustomOp
+from rooflm.layers.linear import Linear, linear_native, linear_triton
 from rooflm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from rooflm.models.weights import WeightTarget
 
@@ -29,18 +33,19 @@ def moe_forward(
     w2: torch.Tensor,  # [E, hidden, intermediate]
     topk_weights: torch.Tensor,  # [T, top_k] float32
     topk_ids: torch.Tensor,  # [T, top_k]
-    act_and_mul,
+    act_and_mul: Callable[[torch.Tensor], torch.Tensor],
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = linear_native,
 ) -> torch.Tensor:  # [T, hidden]
     out = torch.zeros_like(x)
     for e in torch.unique(topk_ids).tolist():  # only the experts some token chose
         token_idx, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-        h = act_and_mul(apply_linear(x[token_idx], w13[e]))  # [n_e, intermediate]
-        y = apply_linear(h, w2[e])  # [n_e, hidden]
+        h = act_and_mul(linear(x[token_idx], w13[e]))  # [n_e, intermediate]
+        y = linear(h, w2[e])  # [n_e, hidden]
         out.index_add_(0, token_idx, y * topk_weights[token_idx, slot, None].to(y.dtype))
     return out
 
 
-class MixtralMoE(nn.Module):
+class MixtralMoE(CustomOp):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_experts = cfg.num_local_experts
@@ -53,9 +58,13 @@ class MixtralMoE(nn.Module):
                                requires_grad=False)
         self.act_and_mul = get_gated_activation(cfg.hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         weights, ids = route_topk(self.gate(x), self.top_k)
-        return moe_forward(x, self.w13, self.w2, weights, ids, self.act_and_mul)
+        return moe_forward(x, self.w13, self.w2, weights, ids, self.act_and_mul, linear_native)
+
+    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_topk(self.gate(x), self.top_k)
+        return moe_forward(x, self.w13, self.w2, weights, ids, self.act_and_mul, linear_triton)
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         """HF Mixtral names: ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.{e}.w1/w2/w3``."""
