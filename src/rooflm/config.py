@@ -198,7 +198,10 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     seed: int = 0  # dummy weights and requests without their own seed
     enforce_eager: bool = False  # no CUDA graphs
-    attention_backend: str = "auto"  # "torch" (reference) | "triton" | "auto"
+    attention_backend: str = "auto"  # "torch" (reference) | "triton" | "auto" (follows ``ops``)
+    # Which implementation each op (linear, norm, activation, rotary + KV write) picks, once, when the model is built:
+    # "auto" (Triton kernels on CUDA when importable and ROOFLM_KERNELS != "0"), "native" (plain torch), "triton".
+    ops: str = "auto"
     show_progress: bool = True
     # Schedule and prepare step N+1 while step N runs on the device. None: on for CUDA, off on the CPU (where the
     # forward pass runs on the calling thread, so there is nothing to overlap).
@@ -212,6 +215,8 @@ class EngineConfig:
             raise _bad("EngineConfig", "load_format", self.load_format, f"one of {LOAD_FORMATS}")
         if self.dtype not in ("auto",) + SUPPORTED_DTYPES:
             raise _bad("EngineConfig", "dtype", self.dtype, f"'auto' or one of {SUPPORTED_DTYPES}")
+        if self.ops not in ("auto", "native", "triton"):
+            raise _bad("EngineConfig", "ops", self.ops, "'auto', 'native' or 'triton'")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise _bad("EngineConfig", "attention_backend", self.attention_backend, "'auto', 'torch' or 'triton'")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:

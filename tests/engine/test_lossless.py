@@ -84,4 +84,5 @@ def test_n_samples_fan_out_and_share_the_prompt(make_engine, mixed_prompts, alon
     assert [c.token_ids for c in out.outputs] == [alone[5]] * 3
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert engine.kv.prefix_hits >= 2 * full_blocks * engine.kv.block_size, "children recomputed the prompt"
-    assert engine.get_stats().prompt_tokens_total == len(prompt)
+    # Prompt tokens computed: child 0's whole prompt, then only the partial last block for each other child.
+    assert engine.get_stats().prompt_tokens_total == len(prompt) + 2 * (len(prompt) - full_blocks * engine.kv.block_size)

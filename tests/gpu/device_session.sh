@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call of the GPU fast path (issue 5): run from the repository root on the GPU machine as
+# One call on a GPU machine: run from the repository root as
 #   bash tests/gpu/device_session.sh STAGE...      (stages: info tests kbench latency1 latency32 prefill throughput)
 # JSON and profiles go to $OUT (or ./out), every stage's log is appended to $OUT/all.log (the device tool returns at
 # most 8 files). Every stage has its own time limit, so one failure does not sink the call.
@@ -24,17 +24,20 @@ for stage in "$@"; do
           $PY -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)";;
     tests) TAIL=30 run tests 300 $PY -m pytest tests/kernels tests/gpu -q -rs -p no:cacheprovider -s \
              -k "not engine_with" ;;
-    tests_engine) run tests_engine 150 $PY -m pytest tests/gpu/test_gpu_model.py -q -s -p no:cacheprovider -k engine_with ;;
+    tests_engine) run tests_engine 200 $PY -m pytest tests/gpu/test_gpu_model.py tests/gpu/test_gpu_async_engine.py -q -s \
+                    -p no:cacheprovider -k "engine_with or async" ;;
     kbench) TAIL=80 run kbench 300 $PY -m rooflm.kernels.bench --json "$OUT/kbench.json" ;;
     kbench_quick) TAIL=30 run kbench 300 $PY -m rooflm.kernels.bench --sections ceilings,decode_attn,prefill_attn,decode --json "$OUT/kbench.json" ;;
-    latency1) run latency1 420 $PY -m rooflm.cli bench latency --model llama-2-7b --load-format dummy --batch-size 1 --profile "$OUT/profile1.txt" \
-                --input-len 1024 --output-len 128 --dtype float16 --baseline hf --json "$OUT/latency1.json" ;;
-    latency32) run latency32 300 $PY -m rooflm.cli bench latency --model llama-2-7b --load-format dummy --batch-size 32 \
+    latency1) run latency1 300 $PY -m rooflm.cli bench latency --model llama-2-7b --load-format dummy --batch-size 1 --profile \
+                --input-len 1024 --output-len 128 --dtype float16 --json "$OUT/latency1.json" ;;
+    latency1_sync) run latency1_sync 240 $PY -m rooflm.cli bench latency --model llama-2-7b --load-format dummy --batch-size 1 \
+                --async-scheduling off --input-len 1024 --output-len 128 --dtype float16 --json "$OUT/latency1_sync.json" ;;
+    latency32) run latency32 300 $PY -m rooflm.cli bench latency --model llama-2-7b --load-format dummy --batch-size 32 --profile \
                  --input-len 1024 --output-len 128 --dtype float16 --num-iters 2 --json "$OUT/latency32.json" ;;
     prefill) run prefill 240 $PY -m rooflm.cli bench latency --model llama-2-7b --load-format dummy --batch-size 1 \
                --input-len 2048 --output-len 2 --dtype float16 --num-iters 5 --json "$OUT/prefill.json" ;;
     throughput) run throughput 420 $PY -m rooflm.cli bench throughput --model llama-2-7b --load-format dummy \
-                  --num-prompts 256 --max-num-seqs 128 --input-len 512 --output-len 128 --dtype float16 --baseline hf \
+                  --num-prompts 256 --max-num-seqs 128 --input-len 512 --output-len 128 --dtype float16 \
                   --json "$OUT/throughput.json" ;;
     *) echo "unknown stage $stage";;
   esac

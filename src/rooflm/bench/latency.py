@@ -6,7 +6,7 @@ Method. The engine runs ``--batch-size`` requests of ``--input-len`` random toke
 ``--output-len`` tokens (greedy, EOS ignored), ``--num-iters`` times after ``--num-iters-warmup`` warm-up runs, with
 fresh prompts each time and prefix caching off (so no run reuses another's cache). Per iteration:
 - TTFT: from adding the requests until every request has its first token (the prefill, chunked if it must be);
-- TPOT: the mean duration of the engine steps in which every request decodes one token (no prefill in the step);
+- TPOT: from the moment every request has its first token to the last token, divided by output_len - 1;
 - decode tokens/s = batch / TPOT; end-to-end tokens/s = batch * output_len / total time.
 Figures are medians over the iterations. When the engine measures its live roofline (``rooflm.roofline.live``), the
 report gives the fraction of their best possible time that the timed steps ran at. ``--profile`` (CUDA) profiles
@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-iters", type=int, default=3)
     p.add_argument("--num-iters-warmup", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", default=None, choices=["on", "off"],
+                   help="schedule step N+1 while step N runs (default: on for CUDA, off on the CPU)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step (default: max(2048, input_len), so one prompt is one prefill step)")
@@ -58,6 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 # Shared with bench/throughput.py
 # ---------------------------------------------------------------------------------------------------------------------
+def _async_flag(args: argparse.Namespace) -> bool | None:
+    """``--async-scheduling on|off`` -> the engine's ``async_scheduling`` (None: the device's default)."""
+    value = getattr(args, "async_scheduling", None)
+    return None if value is None else value == "on"
+
+
 def measure_ceilings(device, dtype) -> dict:
     """This machine's roofs, measured in this process (``rooflm.roofline.measure``): copy bandwidth (bytes read +
     written per second) of a 1 GiB copy and the dense matmul rate in the run's dtype (fp16 for float32 runs on a GPU)."""
@@ -179,7 +187,10 @@ def _one_iteration(engine, prompts: list[list[int]], output_len: int) -> dict:
         if t_first is None and len(tokens) == B and all(tokens.values()):
             t_first = e
     t_end = time.perf_counter()
-    return {"ttft_s": t_first - t0, "tpot_s": statistics.mean(decode_steps) if decode_steps else float("nan"),
+    # TPOT over the whole decode phase, from the first token of every request to the last (vLLM's definition). Under
+    # asynchronous scheduling a step() call returns the previous step's tokens, so single calls are not single steps.
+    tpot = (t_end - t_first) / (output_len - 1) if output_len > 1 else float("nan")
+    return {"ttft_s": t_first - t0, "tpot_s": tpot,
             "e2e_s": t_end - t0, "decode_steps": len(decode_steps), "tokens": [tokens[r] for r in order]}
 
 
@@ -206,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
         max_model_len=L_in + L_out, kv_cache_memory=kv_bytes, max_num_seqs=B,
         max_num_batched_tokens=args.max_num_batched_tokens or max(2048, L_in), enable_prefix_caching=False,
-        enforce_eager=args.enforce_eager, attention_backend=args.attention_backend, seed=args.seed,
+        enforce_eager=args.enforce_eager, async_scheduling=_async_flag(args),
+        attention_backend=args.attention_backend, seed=args.seed,
         show_progress=False))
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gib", type=float, default=None,
                    help="KV pool size (default: what --max-num-seqs requests need, plus 10%%)")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", default=None, choices=["on", "off"],
+                   help="schedule step N+1 while step N runs (default: on for CUDA, off on the CPU)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
     p.add_argument("--hf-num-prompts", type=int, default=64)
@@ -43,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from rooflm.bench.latency import build_hf_model, hf_generate_time, kv_cache_bytes, measure_ceilings
+    from rooflm.bench.latency import _async_flag, build_hf_model, hf_generate_time, kv_cache_bytes, measure_ceilings
     from rooflm.engine.engine import resolve_device, resolve_dtype
     from rooflm.llm import LLM
     from rooflm.roofline.live import roofline_summary
@@ -61,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
               max_model_len=L_in + L_out, kv_cache_memory=kv_bytes, max_num_seqs=seqs,
               max_num_batched_tokens=max(args.max_num_batched_tokens, L_in), enable_prefix_caching=False,
-              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend, seed=args.seed,
+              enforce_eager=args.enforce_eager, async_scheduling=_async_flag(args),
+        attention_backend=args.attention_backend, seed=args.seed,
               show_progress=False)
     init_s = time.perf_counter() - t0
     engine = llm.engine

@@ -61,7 +61,6 @@ class LLMEngine:
                  model_config: ModelConfig | None = None, tokenizer: Any = None, **kwargs: Any) -> None:
         """Load ``config.model`` (or serve an already loaded ``model`` with its ``model_config`` and ``tokenizer``,
         e.g. one shared by several engines)."""
-        from rooflm.attention.backend import get_attention_backend
         from rooflm.loader import load_model
         from rooflm.tokenizer import load_tokenizer
 
@@ -70,10 +69,10 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         if model is None:
-            backend = get_attention_backend(config.attention_backend, self.device)
             model, model_config = load_model(
                 config.model, load_format=config.load_format, dtype=self.dtype, device=self.device,
-                attn_backend=backend, seed=config.seed, show_progress=config.show_progress)
+                attn_backend=config.attention_backend, ops=config.ops, seed=config.seed,
+                show_progress=config.show_progress)
             if config.load_format != "dummy" or config.tokenizer:
                 tokenizer = load_tokenizer(config.tokenizer or config.model)
         elif model_config is None:
@@ -192,7 +191,6 @@ class LLMEngine:
         for i, (cid, cp, m) in enumerate(zip(child_ids, child_params, metrics)):
             gen = make_generator(params.seed, i, self.device) if params.seed is not None else None
             self.scheduler.add_request(Request(cid, token_ids, cp, m, gen))
-        self.stats.prompt_tokens_total += n
         return request_id
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -257,5 +255,6 @@ class LLMEngine:
         s.num_preemptions = self.scheduler.num_preemptions
         s.prefix_queries = self.kv.prefix_queries
         s.prefix_hits = self.kv.prefix_hits
+        s.prompt_tokens_total = self.scheduler.num_prompt_tokens_computed
         self.roofline.fill_stats(s)
         return s

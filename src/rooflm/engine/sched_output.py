@@ -49,7 +49,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)  # since the last step: the runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), run before the forward pass
-    # req_id -> num_computed_tokens once this step has run (the scheduler's own bookkeeping: which blocks fill up).
+    # req_id -> num_computed_tokens once this step has run: the context length of its attention.
     num_computed_tokens_after: dict[str, int] = field(default_factory=dict)
 
     @property

@@ -11,7 +11,8 @@ Every request has ``num_computed_tokens`` catching up to ``num_tokens``. Each ``
 (asynchronous scheduling); a request that will sample holds an output placeholder until its token is read back.
 
 ``update_from_output()`` is the one owner of every per-request change after a step: append the sampled tokens,
-register newly full blocks in the prefix cache, check the stop conditions (``stop_checker``), finish and free.
+check the stop conditions (``stop_checker``), finish and free. (Full blocks enter the prefix cache when the step
+that fills them is scheduled.)
 Stop strings need detokenized text, so the output processor finds them and calls ``finish_requests``.
 """
 from __future__ import annotations
@@ -43,6 +44,8 @@ class Scheduler:
         self._finished_for_runner: set[str] = set()
         self.num_preemptions = 0
         self.peak_blocks_used = 0
+        # Prompt tokens computed, each position once: prefix-cache hits and recomputation after preemption excluded.
+        self.num_prompt_tokens_computed = 0
 
     # -- requests -----------------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -181,6 +184,15 @@ class Scheduler:
                 self._sent_blocks[rid] = sent + len(new_ids)
             req.num_computed_tokens = end = start + num_new
             computed_after[rid] = end
+            if end > req.prompt_high_water and req.prompt_high_water < req.num_prompt_tokens:
+                self.num_prompt_tokens_computed += min(end, req.num_prompt_tokens) - max(start, req.prompt_high_water)
+                req.prompt_high_water = min(end, req.num_prompt_tokens)
+            if self.kv.enable_prefix_caching:
+                # Register the blocks this step fills as soon as it is scheduled (vLLM v1 does the same): any later
+                # step that reads them through a prefix hit runs after this one on the device. Only blocks of known
+                # tokens can be hashed; one ending in a token still in flight is registered at a later step.
+                self.kv.cache_full_blocks(rid, req.all_token_ids, min(end, len(req.all_token_ids)),
+                                          req.update_block_hashes(self.kv.block_size))
             if end == req.num_tokens:
                 sampling.append(rid)
                 req.num_output_placeholders += 1
@@ -192,15 +204,10 @@ class Scheduler:
 
     # -- after the forward pass ----------------------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Apply one step's results: prefix-cache registration, sampled tokens, stop checks, finishing.
+        """Apply one step's results: sampled tokens, logprobs, stop checks, finishing.
 
         Requests that finished (or were aborted) after the step was scheduled get nothing: a token sampled after a
         stop condition never reaches the user."""
-        bs = self.kv.block_size
-        for rid, end in out.num_computed_tokens_after.items():
-            req = self.requests.get(rid)
-            if req is not None and req.status is RequestStatus.RUNNING and self.kv.enable_prefix_caching:
-                self.kv.cache_full_blocks(rid, req.all_token_ids, end, req.update_block_hashes(bs))
         outputs: dict[str, EngineCoreOutput] = {}
         for rid, pl in result.prompt_logprobs.items():
             if rid in self.requests:
