@@ -47,6 +47,14 @@ class FakeTokenizer:
         return text + ("<assistant>" if add_generation_prompt else "")
 
 
+def fake_logprobs(token_id: int, k: int) -> dict[int, float]:
+    """The fake's logprobs of one position: the j-th letter of its alphabet gets -1 - j (the top-k), the sampled
+    token -3 - (id % 4) / 2, below the top two, so the sampled token is rarely the most likely one."""
+    d = {a: -1.0 - j for j, a in enumerate(FakeEngine._ALPHABET[:k])}
+    d[token_id] = -3.0 - (token_id % 4) / 2
+    return d
+
+
 @dataclass
 class FakeConfig:
     max_model_len: int = 128
@@ -97,6 +105,7 @@ class FakeEngine:
         self.finished: list[str] = []  # request ids that ran to their end (stop or length)
         self.batches: list[list[str]] = []  # request ids stepped, one list per step
         self._gate: threading.Semaphore | None = None
+        self._block: tuple[threading.Event, threading.Event] | None = None
         self._changed = threading.Condition()
         self._tokens_by_request: dict[str, int] = {}
 
@@ -114,6 +123,13 @@ class FakeEngine:
         gate, self._gate = self._gate, None
         if gate is not None:
             gate.release()
+
+    def block_next_step(self) -> tuple[threading.Event, threading.Event]:
+        """The next step stops inside ``step()`` (the caller's thread is busy there): returns (entered, resume);
+        the step goes on once the test sets ``resume``."""
+        entered, resume = threading.Event(), threading.Event()
+        self._block = (entered, resume)
+        return entered, resume
 
     def wait_until(self, predicate: Callable[[], bool], timeout: float = HANG_TIMEOUT_S) -> bool:
         """Block until ``predicate()`` holds (checked after every add, step and abort); False on timeout."""
@@ -156,6 +172,10 @@ class FakeEngine:
         return self._tokens_by_request.get(request_id, 0)
 
     def step(self) -> list[RequestOutput]:
+        block, self._block = self._block, None
+        if block is not None:
+            block[0].set()
+            block[1].wait(HANG_TIMEOUT_S)
         gate = self._gate
         if gate is not None and not gate.acquire(timeout=_HELD_POLL_S):
             return []  # held: no progress, but the caller goes on taking adds and aborts between steps
@@ -229,8 +249,8 @@ class FakeEngine:
                 text = text[: text.index(s.stop_reason)]
             logprobs = None
             if req.params.logprobs is not None:
-                logprobs = [{t: -0.5, **{a: -1.0 - k for k, a in enumerate(self._ALPHABET[:req.params.logprobs])
-                                         if a != t}} for t in s.token_ids]
-            outs.append(CompletionOutput(s.index, text, list(s.token_ids), -0.5 * len(s.token_ids) if logprobs else None,
-                                         logprobs, s.finish_reason, s.stop_reason))
+                logprobs = [fake_logprobs(t, req.params.logprobs) for t in s.token_ids]
+            cumulative = sum(d[t] for t, d in zip(s.token_ids, logprobs)) if logprobs else None
+            outs.append(CompletionOutput(s.index, text, list(s.token_ids), cumulative, logprobs, s.finish_reason,
+                                         s.stop_reason))
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, finished, metrics=req.metrics)

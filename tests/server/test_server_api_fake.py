@@ -13,7 +13,7 @@ from typing import Callable
 
 import httpx
 import pytest
-from fake_llm_engine import HANG_TIMEOUT_S, FakeEngine
+from fake_llm_engine import HANG_TIMEOUT_S, fake_logprobs
 from server_helpers import API_KEY, FakeServer
 
 from rooflm.server.app import build_app  # noqa: F401  (import check: the server package imports cleanly)
@@ -43,11 +43,9 @@ def metric(text: str, sample: str) -> float:
     return float(m.group(1))
 
 
-def fake_top_logprobs(token_id: int, k: int) -> dict[int, float]:
-    """What the fake engine reports for a sampled token: -0.5 for it, -1 - j for the j-th letter of its alphabet."""
-    d = {token_id: -0.5}
-    d.update({a: -1.0 - j for j, a in enumerate(FakeEngine._ALPHABET[:k]) if a != token_id})
-    return d
+def top(d: dict[int, float], k: int) -> list[tuple[str, float]]:
+    """The k most likely (text, logprob) of one position of the fake engine (token id = byte + 3)."""
+    return [(chr(t - 3), v) for t, v in sorted(d.items(), key=lambda kv: -kv[1])[:k]]
 
 
 def assert_error(r: httpx.Response, status: int, param: str | None = "ANY") -> dict:
@@ -112,10 +110,9 @@ def test_completion_logprobs_render_the_engines_values(shared_fake_server: FakeS
     choice = body["choices"][0]
     lp = choice["logprobs"]
     assert "".join(lp["tokens"]) == choice["text"] and lp["text_offset"] == [0, 1, 2]
-    assert lp["token_logprobs"] == [-0.5, -0.5, -0.5]
-    for text, top in zip(lp["tokens"], lp["top_logprobs"]):
-        best = sorted(fake_top_logprobs(ord(text) + 3, 2).items(), key=lambda kv: -kv[1])[:2]
-        assert top == {chr(t - 3): v for t, v in best}
+    engine_lps = [fake_logprobs(ord(ch) + 3, 2) for ch in choice["text"]]  # what the engine returned
+    assert lp["token_logprobs"] == [d[ord(ch) + 3] for ch, d in zip(choice["text"], engine_lps)]
+    assert [list(t.items()) for t in lp["top_logprobs"]] == [top(d, 2) for d in engine_lps]
 
 
 def test_chat_logprobs_render_the_engines_values(shared_fake_server: FakeServer):
@@ -129,9 +126,9 @@ def test_chat_logprobs_render_the_engines_values(shared_fake_server: FakeServer)
     content = choice["logprobs"]["content"]
     assert "".join(c["token"] for c in content) == choice["message"]["content"]
     for c in content:
-        assert c["logprob"] == -0.5 and c["bytes"] == list(c["token"].encode())
-        best = sorted(fake_top_logprobs(ord(c["token"]) + 3, 2).items(), key=lambda kv: -kv[1])[:2]
-        assert [(t["token"], t["logprob"]) for t in c["top_logprobs"]] == [(chr(t - 3), v) for t, v in best]
+        d = fake_logprobs(ord(c["token"]) + 3, 2)  # what the engine returned for this position
+        assert c["logprob"] == d[ord(c["token"]) + 3] and c["bytes"] == list(c["token"].encode())
+        assert [(t["token"], t["logprob"]) for t in c["top_logprobs"]] == top(d, 2)
     assert body["usage"]["completion_tokens"] == 4
 
 

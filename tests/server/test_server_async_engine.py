@@ -9,7 +9,7 @@ from fake_llm_engine import FakeConfig, FakeEngine
 from rooflm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from rooflm.sampling_params import SamplingParams
 
-T = 20  # seconds: upper bound of every wait below
+T = 60  # seconds: upper bound of every wait below, only to turn a hang into a failure
 
 
 def _run(coro):
@@ -216,23 +216,28 @@ def test_shutdown_ends_open_streams():
 def test_caller_cancelled_before_the_add_was_taken_leaves_the_engine_healthy():
     """The add's future is cancelled while the engine thread is busy in a step: the thread must skip that add
     (a cancelled future cannot take a result) and keep running."""
-    fake = FakeEngine(step_delay=0.2)
+    fake = FakeEngine(step_delay=0)
+    entered, resume = fake.block_next_step()
     eng = AsyncLLMEngine(fake)
 
     async def main():
-        busy = await eng.add_request("a", greedy(3))  # the thread now sleeps in step()
+        busy = await eng.add_request("a", greedy(3), request_id="a")
+        assert await asyncio.to_thread(entered.wait, T)  # the engine thread is now inside step()
         task = asyncio.ensure_future(eng.add_request("b", greedy(3), request_id="late"))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # the task runs up to waiting for the engine thread: its add is queued
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        resume.set()
         outs = [o async for o in eng.iterate(busy)]
-        later = [o async for o in eng.generate("c", greedy(2))]
+        later = [o async for o in eng.generate("c", greedy(2), request_id="c")]
         return outs, later, eng.is_running
 
     try:
         outs, later, alive = _run(main())
     finally:
+        resume.set()
         eng.shutdown()
     assert alive and outs[-1].finished and later[-1].finished and not fake.has_unfinished_requests()
+    assert fake.added == ["a", "c"]  # the cancelled add was skipped, not added and then aborted
     assert eng._unfinished_seqs == 0
