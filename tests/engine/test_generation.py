@@ -119,16 +119,28 @@ def test_eos_stops_unless_ignored(make_engine):
     assert ignored[0].outputs[0].finish_reason == "length"
 
 
-def test_logprobs_shape(make_engine):
+def test_logprobs_equal_transformers(make_engine, smol, hf_model):
+    """Each position reports the sampled token's logprob and the top-k of the raw model distribution (before
+    temperature), as vLLM does: both equal transformers' log-softmax over the same tokens."""
+    tok = smol[2]
+    k = 3
+    prompt_ids = tok(PROMPTS[0])["input_ids"]
     engine = make_engine()
-    out = run(engine, [PROMPTS[0]], SamplingParams(temperature=0.8, seed=3, max_tokens=6, logprobs=3))[0]
-    c = out.outputs[0]
-    assert len(c.logprobs) == len(c.token_ids)
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=6, logprobs=k, ignore_eos=True)
+    c = run(engine, [prompt_ids], params)[0].outputs[0]
+    assert len(c.logprobs) == len(c.token_ids) == 6
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt_ids + c.token_ids[:-1]])).logits[0].float()
+    ref = torch.log_softmax(logits, dim=-1)[len(prompt_ids) - 1:]  # row j: the distribution of generated token j
     total = 0.0
-    for tok_id, d in zip(c.token_ids, c.logprobs):
-        assert tok_id in d and 3 <= len(d) <= 4
-        assert all(v <= 0 for v in d.values())
-        assert sorted(d.values(), reverse=True)[:3] == sorted((v for k, v in d.items()), reverse=True)[:3]
+    for j, (tok_id, d) in enumerate(zip(c.token_ids, c.logprobs)):
+        assert tok_id in d
+        for t, v in d.items():
+            assert v == pytest.approx(ref[j, t].item(), abs=2e-3), (j, t)
+        ref_top = ref[j].topk(k).values.tolist()
+        best = sorted(d.values(), reverse=True)[:k]  # the top-k, whether or not the sampled token is among them
+        assert best == pytest.approx(ref_top, abs=2e-3)
+        assert len(d) == k or (len(d) == k + 1 and d[tok_id] < min(best) + 2e-3)
         total += d[tok_id]
     assert c.cumulative_logprob == pytest.approx(total, abs=1e-4)
 

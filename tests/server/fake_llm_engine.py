@@ -1,17 +1,27 @@
 """A small, fast stand-in for ``LLMEngine`` honouring its contract, to test the async layer and the HTTP server
-without loading a model. Tokens are bytes (id = byte + 3); generation is deterministic per (prompt, seed)."""
+without loading a model. Tokens are bytes (id = byte + 3); generation is deterministic per (prompt, seed).
+
+Tests that depend on the order of events pace the engine instead of sleeping: after ``hold()`` a step generates
+only with a permit that the test hands out through ``allow(n)``; without one it returns no output, so the caller
+keeps handing over adds and aborts while no request makes progress. ``release()`` ends the pacing, and
+``wait_until(predicate)`` blocks until the engine's state satisfies the predicate. Waits time out only to turn a
+hang into a failure."""
 from __future__ import annotations
 
 import math
 import random
+import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from rooflm.engine.stats import EngineStats
 from rooflm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from rooflm.sampling_params import SamplingParams
 
 _OFFSET = 3  # ids 0..2 are special: 0 pad, 1 bos, 2 eos
+HANG_TIMEOUT_S = 60.0  # a wait_until longer than this is a hang, not slowness
+_HELD_POLL_S = 0.005  # how long a held step waits for a permit before returning no output
 
 
 class FakeTokenizer:
@@ -35,6 +45,14 @@ class FakeTokenizer:
                             **kwargs: object) -> str:
         text = "".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
+
+
+def fake_logprobs(token_id: int, k: int) -> dict[int, float]:
+    """The fake's logprobs of one position: the j-th letter of its alphabet gets -1 - j (the top-k), the sampled
+    token -3 - (id % 4) / 2, below the top two, so the sampled token is rarely the most likely one."""
+    d = {a: -1.0 - j for j, a in enumerate(FakeEngine._ALPHABET[:k])}
+    d[token_id] = -3.0 - (token_id % 4) / 2
+    return d
 
 
 @dataclass
@@ -82,6 +100,45 @@ class FakeEngine:
         self.generation_tokens = 0
         self.prompt_tokens = 0
         self.aborted: list[str] = []
+        self.added: list[str] = []  # request ids, in the order they were added
+        self.params: dict[str, SamplingParams] = {}  # what each request was added with
+        self.finished: list[str] = []  # request ids that ran to their end (stop or length)
+        self.batches: list[list[str]] = []  # request ids stepped, one list per step
+        self._gate: threading.Semaphore | None = None
+        self._block: tuple[threading.Event, threading.Event] | None = None
+        self._changed = threading.Condition()
+        self._tokens_by_request: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ pacing (tests)
+    def hold(self) -> None:
+        """From now on a step generates only with a permit from ``allow``."""
+        self._gate = threading.Semaphore(0)
+
+    def allow(self, steps: int = 1) -> None:
+        assert self._gate is not None, "hold() first"
+        self._gate.release(steps)
+
+    def release(self) -> None:
+        """Stop pacing: steps run freely again (a step waiting for a permit goes on)."""
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.release()
+
+    def block_next_step(self) -> tuple[threading.Event, threading.Event]:
+        """The next step stops inside ``step()`` (the caller's thread is busy there): returns (entered, resume);
+        the step goes on once the test sets ``resume``."""
+        entered, resume = threading.Event(), threading.Event()
+        self._block = (entered, resume)
+        return entered, resume
+
+    def wait_until(self, predicate: Callable[[], bool], timeout: float = HANG_TIMEOUT_S) -> bool:
+        """Block until ``predicate()`` holds (checked after every add, step and abort); False on timeout."""
+        with self._changed:
+            return self._changed.wait_for(predicate, timeout)
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
 
     # ------------------------------------------------------------------ contract
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
@@ -97,6 +154,9 @@ class FakeEngine:
                    [_Seq(i) for i in range(params.n)], random.Random(seed),
                    RequestMetrics(arrival_time=time.monotonic()))
         self._waiting.append(req)
+        self.added.append(request_id)
+        self.params[request_id] = params
+        self._notify()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._running or self._waiting)
@@ -105,8 +165,20 @@ class FakeEngine:
         self.aborted.append(request_id)
         self._running.pop(request_id, None)
         self._waiting = [r for r in self._waiting if r.request_id != request_id]
+        self._notify()
+
+    def tokens_of(self, request_id: str) -> int:
+        """Tokens generated so far for the request (over its samples), finished or not."""
+        return self._tokens_by_request.get(request_id, 0)
 
     def step(self) -> list[RequestOutput]:
+        block, self._block = self._block, None
+        if block is not None:
+            block[0].set()
+            block[1].wait(HANG_TIMEOUT_S)
+        gate = self._gate
+        if gate is not None and not gate.acquire(timeout=_HELD_POLL_S):
+            return []  # held: no progress, but the caller goes on taking adds and aborts between steps
         self.num_steps += 1
         if self.step_delay:
             time.sleep(self.step_delay)
@@ -115,6 +187,7 @@ class FakeEngine:
             self._running[req.request_id] = req
             self.prompt_tokens += len(req.prompt_ids)
         outputs = []
+        self.batches.append(list(self._running))
         for rid, req in list(self._running.items()):
             if self.fail_on_prompt is not None and req.prompt == self.fail_on_prompt:
                 raise RuntimeError("injected engine failure")
@@ -125,6 +198,8 @@ class FakeEngine:
             outputs.append(self._output(req, finished))
             if finished:
                 del self._running[rid]
+                self.finished.append(rid)
+        self._notify()
         return outputs
 
     def get_stats(self) -> EngineStats:
@@ -156,6 +231,7 @@ class FakeEngine:
             tok = req.rng.choice(self._ALPHABET)
         seq.token_ids.append(tok)
         self.generation_tokens += 1
+        self._tokens_by_request[req.request_id] = self._tokens_by_request.get(req.request_id, 0) + 1
         text = self.tokenizer.decode(seq.token_ids)
         for s in p.stop:
             if s in text:
@@ -173,8 +249,8 @@ class FakeEngine:
                 text = text[: text.index(s.stop_reason)]
             logprobs = None
             if req.params.logprobs is not None:
-                logprobs = [{t: -0.5, **{a: -1.0 - k for k, a in enumerate(self._ALPHABET[:req.params.logprobs])
-                                         if a != t}} for t in s.token_ids]
-            outs.append(CompletionOutput(s.index, text, list(s.token_ids), -0.5 * len(s.token_ids) if logprobs else None,
-                                         logprobs, s.finish_reason, s.stop_reason))
+                logprobs = [fake_logprobs(t, req.params.logprobs) for t in s.token_ids]
+            cumulative = sum(d[t] for t, d in zip(s.token_ids, logprobs)) if logprobs else None
+            outs.append(CompletionOutput(s.index, text, list(s.token_ids), cumulative, logprobs, s.finish_reason,
+                                         s.stop_reason))
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, finished, metrics=req.metrics)

@@ -1,11 +1,19 @@
-"""The HTTP API over the fast fake engine: response shapes, streaming, options, every error shape."""
+"""The HTTP API over the fast fake engine: response shapes, streaming, options, every error shape.
+
+These tests check the server's plumbing (what it hands to the engine, how it renders what the engine returns, when
+it aborts). The engine behaviours themselves (stop strings, logprob values, KV blocks freed after a finish, an abort
+or a disconnect) are tested on the real engine in tests/engine/test_engine_behaviour.py.
+Tests that depend on the order of events hold the fake engine (see fake_llm_engine.py) instead of sleeping."""
 from __future__ import annotations
 
 import json
+import re
 import time
+from typing import Callable
 
 import httpx
 import pytest
+from fake_llm_engine import HANG_TIMEOUT_S, fake_logprobs
 from server_helpers import API_KEY, FakeServer
 
 from rooflm.server.app import build_app  # noqa: F401  (import check: the server package imports cleanly)
@@ -18,6 +26,26 @@ def sse_events(response: httpx.Response) -> list[dict | str]:
             data = line[len("data: "):]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+def eventually(predicate: Callable[[], bool], what: str, timeout: float = HANG_TIMEOUT_S) -> None:
+    """Poll until ``predicate()`` holds; the timeout only turns a hang into a failure."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.01)
+
+
+def metric(text: str, sample: str) -> float:
+    """The value of one sample line of the Prometheus text, e.g. ``metric(text, 'rooflm_engine_steps_total')``."""
+    m = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.MULTILINE)
+    assert m is not None, f"{sample} not in /metrics"
+    return float(m.group(1))
+
+
+def top(d: dict[int, float], k: int) -> list[tuple[str, float]]:
+    """The k most likely (text, logprob) of one position of the fake engine (token id = byte + 3)."""
+    return [(chr(t - 3), v) for t, v in sorted(d.items(), key=lambda kv: -kv[1])[:k]]
 
 
 def assert_error(r: httpx.Response, status: int, param: str | None = "ANY") -> dict:
@@ -73,15 +101,21 @@ def test_token_id_prompts_and_echo(shared_fake_server: FakeServer):
         assert_error(c.post("/v1/completions", json={"prompt": [10**6], "max_tokens": 2}), 400, "prompt")
 
 
-def test_completion_logprobs(shared_fake_server: FakeServer):
+def test_completion_logprobs_render_the_engines_values(shared_fake_server: FakeServer):
+    """The server asks the engine for ``logprobs`` and renders each position's values in the OpenAI shape."""
     with shared_fake_server.client() as c:
-        body = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "logprobs": 2}).json()
-    lp = body["choices"][0]["logprobs"]
-    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 3
-    assert all(len(t) <= 2 for t in lp["top_logprobs"]) and lp["text_offset"] == [0, 1, 2]
+        body = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "logprobs": 2,
+                                               "temperature": 1.0, "seed": 5}).json()
+    assert shared_fake_server.fake.params[shared_fake_server.fake.added[-1]].logprobs == 2
+    choice = body["choices"][0]
+    lp = choice["logprobs"]
+    assert "".join(lp["tokens"]) == choice["text"] and lp["text_offset"] == [0, 1, 2]
+    engine_lps = [fake_logprobs(ord(ch) + 3, 2) for ch in choice["text"]]  # what the engine returned
+    assert lp["token_logprobs"] == [d[ord(ch) + 3] for ch, d in zip(choice["text"], engine_lps)]
+    assert [list(t.items()) for t in lp["top_logprobs"]] == [top(d, 2) for d in engine_lps]
 
 
-def test_chat_completion_with_logprobs(shared_fake_server: FakeServer):
+def test_chat_logprobs_render_the_engines_values(shared_fake_server: FakeServer):
     with shared_fake_server.client() as c:
         body = c.post("/v1/chat/completions", json={
             "messages": [{"role": "system", "content": "be brief"},
@@ -90,14 +124,20 @@ def test_chat_completion_with_logprobs(shared_fake_server: FakeServer):
     (choice,) = body["choices"]
     assert body["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
     content = choice["logprobs"]["content"]
-    assert len(content) == 4 and all(len(c["top_logprobs"]) == 2 and "bytes" in c for c in content)
+    assert "".join(c["token"] for c in content) == choice["message"]["content"]
+    for c in content:
+        d = fake_logprobs(ord(c["token"]) + 3, 2)  # what the engine returned for this position
+        assert c["logprob"] == d[ord(c["token"]) + 3] and c["bytes"] == list(c["token"].encode())
+        assert [(t["token"], t["logprob"]) for t in c["top_logprobs"]] == top(d, 2)
     assert body["usage"]["completion_tokens"] == 4
 
 
-def test_stop_string_ends_the_completion(shared_fake_server: FakeServer):
+def test_stop_strings_reach_the_engine_and_its_stop_reason_the_response(shared_fake_server: FakeServer):
     with shared_fake_server.client() as c:
         body = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 20, "temperature": 0,
                                                "stop": ["ij"]}).json()
+    params = shared_fake_server.fake.params[shared_fake_server.fake.added[-1]]
+    assert params.stop == ["ij"] and params.max_tokens == 20
     choice = body["choices"][0]
     assert choice["finish_reason"] == "stop" and "ij" not in choice["text"] and choice["stop_reason"] == "ij"
 
@@ -140,8 +180,10 @@ def test_stream_without_include_usage_has_no_usage_key(shared_fake_server: FakeS
     assert events[-1] == "[DONE]" and all("usage" not in e for e in events[:-1])
 
 
-def test_client_disconnect_mid_stream_aborts_and_frees_blocks():
-    server = FakeServer(step_delay=0.01)
+def test_client_disconnect_mid_stream_aborts_the_engine_request():
+    server = FakeServer(step_delay=0)
+    server.fake.hold()
+    server.fake.allow(1)  # the first chunk; then no progress, so the request cannot finish by itself
     server.http.start()
     try:
         with server.client() as c:
@@ -149,53 +191,48 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks():
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         break  # leave after the first chunk
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (server.fake.has_unfinished_requests()
-                                               or server.engine.num_unfinished_requests):
-            time.sleep(0.02)
-        assert len(server.fake.aborted) == 1
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and server.engine.stats.num_free_blocks != server.engine.stats.num_total_blocks:
-            time.sleep(0.02)
-        assert server.engine.stats.num_running == 0
-        assert server.engine.stats.num_free_blocks == server.engine.stats.num_total_blocks
-        metrics = httpx.get(server.url + "/metrics").text
-        assert 'rooflm_requests_total{endpoint="completions",outcome="aborted"} 1.0' in metrics
+        assert server.fake.wait_until(lambda: bool(server.fake.aborted))
+        assert server.fake.aborted == server.fake.added and server.fake.finished == []
+        assert server.fake.tokens_of(server.fake.added[0]) == 1
+        eventually(lambda: server.engine.num_unfinished_requests == 0, "the server dropped the request")
+        eventually(lambda: 'outcome="aborted"} 1.0' in httpx.get(server.url + "/metrics").text, "aborted counted")
     finally:
+        server.fake.release()
         server.http.stop()
 
 
 def test_disconnect_from_a_multi_prompt_stream_aborts_every_prompt():
-    server = FakeServer(step_delay=0.01)
+    server = FakeServer(step_delay=0)
+    server.fake.hold()
+    server.fake.allow(1)
     server.http.start()
     try:
         with server.client() as c:
             body = {"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 100, "stream": True}
             with c.stream("POST", "/v1/completions", json=body) as r:
                 next(line for line in r.iter_lines() if line.startswith("data: "))
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (server.fake.has_unfinished_requests()
-                                               or server.engine.num_unfinished_requests):
-            time.sleep(0.02)
-        assert sorted(set(server.fake.aborted)) == sorted(f"{rid.rsplit('-', 1)[0]}-{i}" for i, rid in
-                                                          zip(range(3), [server.fake.aborted[0]] * 3))
+        fake = server.fake
+        assert fake.wait_until(lambda: len(fake.aborted) == 3)
+        assert len(fake.added) == 3 and sorted(fake.aborted) == sorted(fake.added) and fake.finished == []
+        eventually(lambda: server.engine.num_unfinished_requests == 0, "the server dropped the requests")
         assert server.engine._unfinished_seqs == 0
     finally:
+        server.fake.release()
         server.http.stop()
 
 
 def test_client_disconnect_during_non_streamed_request_aborts():
-    server = FakeServer(step_delay=0.02)
+    server = FakeServer(step_delay=0)
+    server.fake.hold()  # nothing is generated: the request cannot finish before the client gives up
     server.http.start()
     try:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=0.5,
-                       json={"prompt": "x", "max_tokens": 120})  # ~2.4 s of generation
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not server.fake.aborted:
-            time.sleep(0.05)
-        assert len(server.fake.aborted) == 1
+                       json={"prompt": "x", "max_tokens": 120})
+        assert server.fake.wait_until(lambda: bool(server.fake.aborted))
+        assert server.fake.aborted == server.fake.added and server.fake.finished == []
     finally:
+        server.fake.release()
         server.http.stop()
 
 
@@ -288,22 +325,26 @@ def test_prompt_over_the_limit_is_400_stating_the_limit(shared_fake_server: Fake
 
 
 def test_full_waiting_queue_is_503_at_once():
-    server = FakeServer(max_waiting=0, step_delay=0.01, config=None)
+    """One running slot, no waiting room: while the first request holds the slot (the engine is held, so it cannot
+    finish), a second one is answered 503 without waiting for capacity and never reaches the engine."""
+    server = FakeServer(max_waiting=0, step_delay=0, config=None)
     server.fake.config.max_num_seqs = 1
     server.engine.max_num_seqs = 1
+    server.fake.hold()
+    server.fake.allow(1)
     server.http.start()
     try:
         with server.client() as c:
             with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 100, "stream": True}) as r:
                 next(line for line in r.iter_lines() if line.startswith("data: "))
-                t0 = time.monotonic()
                 r2 = c.post("/v1/completions", json={"prompt": "y", "max_tokens": 2})
-                assert time.monotonic() - t0 < 1.0
                 err = assert_error(r2, 503)
                 assert err["code"] == "queue_full" and r2.headers.get("retry-after")
+                assert len(server.fake.added) == 1 and server.fake.finished == []
         metrics = httpx.get(server.url + "/metrics").text
-        assert 'rooflm_requests_total{endpoint="completions",outcome="rejected"} 1.0' in metrics
+        assert metric(metrics, 'rooflm_requests_total{endpoint="completions",outcome="rejected"}') == 1
     finally:
+        server.fake.release()
         server.http.stop()
 
 
@@ -328,16 +369,47 @@ def test_no_key_configured_means_open_api():
         server.http.stop()
 
 
-def test_metrics_count_outcomes_and_latencies(shared_fake_server: FakeServer):
-    with shared_fake_server.client() as c:
-        c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
-        c.post("/v1/completions", json={"prompt": "x", "max_tokens": "3"})
-        text = c.get("/metrics").text
-    for name in ("rooflm_time_to_first_token_seconds_bucket", "rooflm_time_per_output_token_seconds_count",
-                 "rooflm_e2e_request_latency_seconds_sum", "rooflm_kv_cache_usage_ratio",
-                 "rooflm_prefix_cache_hit_rate", "rooflm_prompt_tokens_total", "rooflm_generation_tokens_total",
-                 "rooflm_num_requests_waiting", 'outcome="success"', 'outcome="invalid"'):
-        assert name in text, name
+def test_metrics_count_known_traffic_exactly():
+    """After known traffic, every counter holds the exact count: requests by outcome, finished sequences by reason,
+    one latency sample per successful request, and the engine's prompt / generation tokens."""
+    server = FakeServer(step_delay=0)
+    server.http.start()
+    try:
+        prompts = ["ab", "cde", "fghi"]
+        with server.client() as c:
+            for i, p in enumerate(prompts):  # 3 successes: 2 + 3 + 4 prompt tokens, 4 + 5 + 6 generated
+                assert c.post("/v1/completions", json={"prompt": p, "max_tokens": 4 + i, "temperature": 0}
+                              ).status_code == 200
+            assert c.post("/v1/chat/completions", json={  # one more success, ended by a stop string
+                "messages": [{"role": "user", "content": "q"}], "max_tokens": 20, "temperature": 0,
+                "stop": ["f"]}).json()["choices"][0]["finish_reason"] == "stop"
+            for _ in range(2):  # 2 invalid
+                assert_error(c.post("/v1/completions", json={"prompt": "x", "max_tokens": "3"}), 400)
+            assert_error(c.post("/v1/completions", json={"prompt": "x", "model": "gpt-9"}), 404)
+        assert_error(httpx.post(server.url + "/v1/completions", json={"prompt": "x"}), 401)
+        fake = server.fake
+        chat_prompt = len(fake.tokenizer.apply_chat_template([{"role": "user", "content": "q"}]).encode())
+        chat_generated = fake.tokens_of(fake.added[3])
+        # The engine thread snapshots the stats after each step: wait for the one taken after the last step.
+        eventually(lambda: server.engine.stats.num_steps == fake.num_steps, "stats snapshot after the last step")
+        text = httpx.get(server.url + "/metrics").text
+    finally:
+        server.http.stop()
+    requests = 'rooflm_requests_total{endpoint="%s",outcome="%s"}'
+    assert metric(text, requests % ("completions", "success")) == 3
+    assert metric(text, requests % ("chat_completions", "success")) == 1
+    assert metric(text, requests % ("completions", "invalid")) == 2
+    assert metric(text, requests % ("completions", "not_found")) == 1
+    assert metric(text, requests % ("completions", "unauthorized")) == 1
+    assert metric(text, 'rooflm_request_finish_total{finish_reason="length"}') == 3
+    assert metric(text, 'rooflm_request_finish_total{finish_reason="stop"}') == 1
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "time_per_output_token_seconds"):
+        assert metric(text, f"rooflm_{hist}_count") == 4
+    assert metric(text, "rooflm_prompt_tokens_total") == 2 + 3 + 4 + chat_prompt
+    assert metric(text, "rooflm_generation_tokens_total") == 4 + 5 + 6 + chat_generated
+    assert metric(text, "rooflm_engine_steps_total") == fake.num_steps
+    assert metric(text, "rooflm_kv_cache_free_blocks") == metric(text, "rooflm_kv_cache_total_blocks") == 256
+    assert metric(text, "rooflm_num_requests_running") == 0 and metric(text, "rooflm_kv_cache_usage_ratio") == 0
     assert API_KEY not in text
 
 
