@@ -90,3 +90,16 @@ def test_abort_while_a_step_is_in_flight(make_engine, mixed_prompts):
         seen |= {o.request_id for o in engine.step()}
     assert "a" not in seen, "an aborted request produced output after its abort"
     assert "b" in seen
+
+
+@pytest.mark.parametrize("mode", [False, True], ids=["sync", "async"])
+def test_runner_rows_are_released_across_idle_steps(make_engine, mixed_prompts, mode):
+    """max_num_seqs rows in the runner's batch: batches that drain completely (idle steps between them) must
+    release every row, or the third batch would not fit."""
+    engine = make_engine(max_num_seqs=2, async_scheduling=mode)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for i in range(3):
+        outs = run(engine, mixed_prompts[2 * i:2 * i + 2], params)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+        assert not engine.step() and not engine.has_unfinished_requests()
+    assert len(engine.runner.batch.reqs) <= 2

@@ -210,8 +210,6 @@ def test_counters_after_known_traffic(make_engine):
     assert_all_blocks_free(engine)
 
 
-@pytest.mark.xfail(strict=True, reason="EngineStats documents prompt_tokens_total as computed tokens, prefix hits "
-                                       "excluded, but the engine counts every prompt token when it is added")
 def test_prompt_tokens_counter_excludes_prefix_cache_hits(make_engine):
     """A repeated prompt finds its whole blocks in the prefix cache (one token always left to compute); the
     prompt-token counter counts only what was computed."""

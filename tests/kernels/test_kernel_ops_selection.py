@@ -65,7 +65,10 @@ def test_triton_model_matches_its_native_selection(device, arch, dtype):
     assert set(select_ops(model, "native").values()) == {"native"}
     assert {m.backend.name for m in ops if isinstance(m, Attention)} == {"torch"}
     ref = run_steps(model, cfg, device, dtype)
-    assert_close(fast, ref, dtype, f"{arch} logits, Triton path vs reference", scale=ref.abs().max().item())
+    # On a GPU, tl.dot multiplies float32 tiles in TF32 (10-bit mantissa) unless told otherwise, so a whole float32
+    # model through the kernels agrees with the float32 reference to about fp16 rounding, not to float32's.
+    tol_dtype = torch.float16 if dtype == torch.float32 and device == "cuda" else dtype
+    assert_close(fast, ref, tol_dtype, f"{arch} logits, Triton path vs reference", scale=ref.abs().max().item())
 
     select_ops(model, "triton")  # and back: the Triton path again, the same logits as the first run
     assert set(chosen_ops(model).values()) == {"triton"}

@@ -192,10 +192,23 @@ def test_tokens_of_a_request_finished_while_in_flight_are_dropped():
     s.finish_requests(["a"])  # an abort while both steps are in flight
     assert s.update_from_output(s1, fake_output(s1)) == []
     assert s.update_from_output(s2, fake_output(s2)) == []
-    assert s.schedule().finished_req_ids == {"a"}
     assert s.kv.num_free_blocks == s.kv.num_blocks
+    s.add_request(make_request("b", 3, start=500))
+    assert s.schedule().finished_req_ids == {"a"}
 
 
 def test_the_scheduler_never_sees_n():
     with pytest.raises(ValueError, match="n=3"):
         Request("a", [1, 2, 3], SamplingParams(n=3))
+
+
+def test_finished_ids_wait_for_a_step_the_runner_executes():
+    """An empty schedule is not executed, so the ids finished before it must reach the runner with the next step
+    (else the runner keeps their rows and its batch overflows)."""
+    s = make_scheduler(budget=64)
+    s.add_request(make_request("a", 5, max_tokens=1))
+    step(s)  # a samples its only token and finishes in update_from_output
+    assert not s.has_unfinished()
+    assert s.schedule().is_empty  # nothing to run: not executed
+    s.add_request(make_request("b", 5, start=300))
+    assert s.schedule().finished_req_ids == {"a"}

@@ -198,7 +198,9 @@ class Scheduler:
                 req.num_output_placeholders += 1
         used = self.kv.num_blocks - self.kv.num_free_blocks
         self.peak_blocks_used = max(self.peak_blocks_used, used)
-        finished, self._finished_for_runner = self._finished_for_runner, set()
+        finished: set[str] = set()
+        if chosen:  # an empty step is not executed: keep the finished ids for the next one the runner sees
+            finished, self._finished_for_runner = self._finished_for_runner, set()
         return SchedulerOutput(new_reqs, cached, chosen, sampling, finished, preempted, self.kv.take_pending_copies(),
                                computed_after)
 
