@@ -60,8 +60,55 @@ _METRICS = "src/rooflm/server/metrics.py"
 _T_ASYNC = "tests/server/test_server_async_engine.py"
 _T_FAKE = "tests/server/test_server_api_fake.py"
 _T_BEHAVIOUR = "tests/engine/test_engine_behaviour.py"
+_SCHED = "src/rooflm/engine/scheduler.py"
+_T_SCHED = "tests/unit/test_scheduler.py"
 
 MUTANTS: list[Mutant] = [
+    Mutant(
+        "budget-grows", _SCHED,
+        "                chosen[req.request_id] = num_new\n                budget -= num_new\n                i += 1",
+        "                chosen[req.request_id] = num_new\n                budget += num_new\n                i += 1",
+        (f"{_T_SCHED}::test_budget_is_never_exceeded_over_a_mixed_run",
+         f"{_T_SCHED}::test_running_requests_come_first_then_fcfs_admission_under_one_budget"),
+        "running requests add their tokens to the step's budget instead of taking them from it",
+    ),
+    Mutant(
+        "running-ignores-budget", _SCHED,
+        "            num_new = min(req.num_tokens - req.num_computed_tokens, budget)\n            if num_new <= 0",
+        "            num_new = req.num_tokens - req.num_computed_tokens\n            if num_new <= 0",
+        (f"{_T_SCHED}::test_a_long_prompt_is_split_into_budget_sized_chunks",),
+        "a running request's next chunk ignores the token budget",
+    ),
+    Mutant(
+        "admission-ignores-budget", _SCHED,
+        "            num_new = min(req.num_tokens - num_cached, budget)",
+        "            num_new = req.num_tokens - num_cached",
+        (f"{_T_SCHED}::test_a_long_prompt_is_split_into_budget_sized_chunks",
+         f"{_T_SCHED}::test_budget_is_never_exceeded_over_a_mixed_run"),
+        "an admitted prompt is not chunked to the step's remaining budget",
+    ),
+    Mutant(
+        "max-num-seqs-off-by-one", _SCHED,
+        "len(self.running) < self.config.max_num_seqs:",
+        "len(self.running) <= self.config.max_num_seqs:",
+        (f"{_T_SCHED}::test_max_num_seqs_caps_the_running_set",),
+        "one more request than max_num_seqs is admitted",
+    ),
+    Mutant(
+        "placeholder-not-counted", _SCHED,
+        "                sampling.append(rid)\n                req.num_output_placeholders += 1",
+        "                sampling.append(rid)",
+        (f"{_T_SCHED}::test_async_one_step_lag_uses_placeholders",
+         "tests/engine/test_async_scheduling.py::test_async_equals_sync"),
+        "a scheduled sample holds no placeholder, so asynchronous scheduling cannot schedule the next decode",
+    ),
+    Mutant(
+        "finished-request-kept", _SCHED,
+        "        req.finish_reason, req.stop_reason = reason, stop_reason\n        self.requests.pop(req.request_id, None)",
+        "        req.finish_reason, req.stop_reason = reason, stop_reason",
+        (f"{_T_SCHED}::test_tokens_of_a_request_finished_while_in_flight_are_dropped",),
+        "a finished request stays known, so a token sampled for it in a step still in flight reaches the output",
+    ),
     Mutant(
         "no-abort-on-cancel", _ASYNC,
         "            if not finished:\n                self.abort(stream.request_id)",

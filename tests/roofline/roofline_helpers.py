@@ -1,5 +1,5 @@
 """Shared helpers of the roofline tests: tiny model configs whose numbers are easy to compute by hand, and a check
-that a value rounds to a figure printed with few significant digits (seed 004's Table 1)."""
+that a value rounds to a figure printed with few significant digits (Table 1 of Yuan et al. 2024, LLM-Viewer)."""
 from __future__ import annotations
 
 import math

@@ -10,7 +10,7 @@ from roofline_helpers import printed_matches
 
 from rooflm.roofline import analyze
 
-# name: (OPs, memory access, arithmetic intensity, max performance, bound)   -- seed 004 line ~364
+# name: (OPs, memory access, arithmetic intensity, max performance, bound)   -- Table 1 of Yuan et al. 2024
 PREFILL = {
     "q_proj": ("69G", "67M", "1024", "155T", "compute"),
     "k_proj": ("69G", "67M", "1024", "155T", "compute"),

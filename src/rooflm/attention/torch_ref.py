@@ -80,16 +80,8 @@ class TorchRefAttention:
 
     name = "torch"
 
-    def rotary_and_write(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary_and_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns new rotated tensors (the inputs are left as they are)."""
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)

@@ -24,16 +24,8 @@ class TritonAttention:
 
     name = "triton"
 
-    def rotary_and_write(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary_and_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """One kernel: rotates q and k in place (and returns them) and writes k, v into the cache."""
         return rotary_write_kv_cache(q, k, v, None, cos, sin, kv_cache, meta.slot_mapping, is_neox=True)
 

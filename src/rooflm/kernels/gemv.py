@@ -30,15 +30,69 @@ from rooflm.kernels._tl import dot, dot_upcast
 from rooflm.kernels._utils import interpreting
 
 
+# What a GEMV program computes from its input rows before the product (a "prologue"), so that the elementwise op
+# before a projection needs no kernel of its own (``rooflm/kernels/fused_gemv.py``):
+PRO_NONE = 0  # x as it is
+PRO_RMSNORM = 1  # rms_norm(x [+ residual]) * norm_weight, in the roundings of rooflm/kernels/rmsnorm.py
+PRO_SILU_MUL = 2  # silu(gate) * up of a [gate | up] row, in the roundings of rooflm/kernels/activation.py
+
+
+@triton.jit
+def _stream_row(x_ptr, r_ptr, xo, ro, mask, HAS_RES: tl.constexpr, MASKED: tl.constexpr):
+    """The residual stream a norm reads: x, or x + residual rounded to x's dtype."""
+    if MASKED:
+        s = tl.load(x_ptr + xo, mask=mask, other=0.0)
+    else:
+        s = tl.load(x_ptr + xo)
+    if HAS_RES:
+        if MASKED:
+            r = tl.load(r_ptr + ro, mask=mask, other=0.0)
+        else:
+            r = tl.load(r_ptr + ro)
+        s = (s.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return s
+
+
+@triton.jit
+def _input_tile(x_ptr, r_ptr, nw_ptr, xo, ro, offs_k, mask, mask_k, rstd, up_off,
+                PRO: tl.constexpr, HAS_RES: tl.constexpr, MASKED: tl.constexpr, EVEN_K: tl.constexpr):
+    """The GEMV input at offsets xo (a [BLOCK_K] or [16, BLOCK_K] tile) after the prologue PRO."""
+    if PRO == 1:
+        s = _stream_row(x_ptr, r_ptr, xo, ro, mask, HAS_RES, MASKED)
+        y = (s.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty)
+        if EVEN_K:
+            nw = tl.load(nw_ptr + offs_k)
+        else:
+            nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0)
+        v = (nw.to(tl.float32) * y.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    elif PRO == 2:
+        if MASKED:
+            g = tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(x_ptr + up_off + xo, mask=mask, other=0.0)
+        else:
+            g = tl.load(x_ptr + xo).to(tl.float32)
+            u = tl.load(x_ptr + up_off + xo)
+        a = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty)
+        v = (a.to(tl.float32) * u.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    else:
+        if MASKED:
+            v = tl.load(x_ptr + xo, mask=mask, other=0.0)
+        else:
+            v = tl.load(x_ptr + xo)
+    return v
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_om, stride_os,
+    r_ptr, nw_ptr, ro_ptr, stride_rm, stride_rom, eps, up_off,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    PRO: tl.constexpr = 0, HAS_RES: tl.constexpr = False, WRITE_RES: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -48,24 +102,57 @@ def _gemv_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     offs_kb = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    offs_m = tl.arange(0, 16)
+    mask_m = offs_m < M
+
+    rstd = 1.0
+    if PRO == 1:
+        # RMSNorm's statistic needs the whole row before the first product: every program takes it over all of K
+        # (the rows come from the L2 after the first program); the programs of the first column block and first
+        # K split also write the new residual stream, to a buffer no program reads.
+        first = (pid_n == 0) & (pid_k == 0)
+        if USE_DOT:
+            ss = tl.zeros([16, BLOCK_K], tl.float32)
+        else:
+            ss = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + offs_kb
+            if USE_DOT:
+                pmask = mask_m[:, None] & (offs_k < K)[None, :]
+                s = _stream_row(x_ptr, r_ptr, offs_m[:, None] * stride_xm + offs_k[None, :],
+                                offs_m[:, None] * stride_rm + offs_k[None, :], pmask, HAS_RES, True)
+                if WRITE_RES:
+                    tl.store(ro_ptr + offs_m[:, None] * stride_rom + offs_k[None, :], s, mask=pmask & first)
+            else:
+                pmask = offs_k < K
+                s = _stream_row(x_ptr, r_ptr, offs_k, offs_k, pmask, HAS_RES, True)
+                if WRITE_RES:
+                    tl.store(ro_ptr + offs_k, s, mask=pmask & first)
+            sf = s.to(tl.float32)
+            ss += sf * sf
+        if USE_DOT:
+            rstd = tl.rsqrt(tl.sum(ss, 1) / K + eps)[:, None]
+        else:
+            rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
 
     if USE_DOT:
-        offs_m = tl.arange(0, 16)
-        mask_m = offs_m < M
         acc = tl.zeros([16, BLOCK_N], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k0 = tl.multiple_of(k0, 16)  # k_per_split is a multiple of BLOCK_K: 16-byte vector loads
             offs_k = k0 + offs_kb
+            mask_k = offs_k < k_hi
+            xo = offs_m[:, None] * stride_xm + offs_k[None, :]
+            ro = offs_m[:, None] * stride_rm + offs_k[None, :]
             if EVEN_K:
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+                x = _input_tile(x_ptr, r_ptr, nw_ptr, xo, ro, offs_k, mask_m[:, None], mask_k, rstd, up_off,
+                                PRO, HAS_RES, True, True)
                 if EVEN_N:
                     w = tl.load(w_rows + offs_k[None, :])
                 else:
                     w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None], other=0.0)
             else:
-                mask_k = offs_k < k_hi
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                            mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                x = _input_tile(x_ptr, r_ptr, nw_ptr, xo, ro, offs_k, mask_m[:, None] & mask_k[None, :], mask_k,
+                                rstd, up_off, PRO, HAS_RES, True, False)
                 w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             acc += dot(x, tl.trans(w), DOT_UPCAST)
         if HAS_BIAS and SPLIT == 1:
@@ -77,15 +164,17 @@ def _gemv_kernel(
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k0 = tl.multiple_of(k0, 16)  # k_per_split is a multiple of BLOCK_K: 16-byte vector loads
             offs_k = k0 + offs_kb
+            mask_k = offs_k < k_hi
             if EVEN_K:
-                x = tl.load(x_ptr + offs_k)
+                x = _input_tile(x_ptr, r_ptr, nw_ptr, offs_k, offs_k, offs_k, mask_k, mask_k, rstd, up_off,
+                                PRO, HAS_RES, False, True)
                 if EVEN_N:
                     w = tl.load(w_rows + offs_k[None, :])
                 else:
                     w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None], other=0.0)
             else:
-                mask_k = offs_k < k_hi
-                x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+                x = _input_tile(x_ptr, r_ptr, nw_ptr, offs_k, offs_k, offs_k, mask_k, mask_k, rstd, up_off,
+                                PRO, HAS_RES, True, False)
                 w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
         acc = tl.sum(acc2, 1)
@@ -146,13 +235,27 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: 
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    check_weight(weight, K, shape)
+    if not cfg.supports(x2.shape[0]):
+        raise ValueError(f"{cfg} does not support M={x2.shape[0]}")
+    return launch_gemv(x2, K, weight, bias, cfg).view(*shape[:-1], weight.shape[0])
+
+
+def check_weight(weight: torch.Tensor, K: int, x_shape) -> None:
+    if weight.dim() != 2 or weight.shape[1] != K or weight.stride(1) != 1:
+        raise ValueError(f"weight {tuple(weight.shape)} (strides {weight.stride()}) does not fit x {tuple(x_shape)}")
+
+
+def launch_gemv(
+    x2: torch.Tensor, K: int, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
+    prologue: int = PRO_NONE, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0, residual_out: torch.Tensor | None = None, up_offset: int = 0,
+) -> torch.Tensor:
+    """The launch behind ``gemv`` and the fused projections: x2 [M, *] row-major in its last dim, the product over
+    its first K columns (after ``prologue``). Callers check shapes. Returns out [M, N]."""
     M = x2.shape[0]
     N = weight.shape[0]
-    if weight.shape[1] != K or weight.stride(1) != 1:
-        raise ValueError(f"weight {tuple(weight.shape)} (strides {weight.stride()}) does not fit x {tuple(shape)}")
-    if not cfg.supports(M):
-        raise ValueError(f"{cfg} does not support M={M}")
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     k_tiles = triton.cdiv(K, cfg.block_k)
     split = max(1, min(cfg.split_k, k_tiles))
     k_per_split = triton.cdiv(k_tiles, split) * cfg.block_k
@@ -161,20 +264,25 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: 
     if split == 1:
         dst, stride_s = out, 0
     else:
-        dst = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+        dst = torch.empty(split, M, N, dtype=torch.float32, device=x2.device)
         stride_s = dst.stride(0)
     b = bias if bias is not None else weight
+    r = residual if residual is not None else x2
+    ro = residual_out if residual_out is not None else x2
+    nw = norm_weight if norm_weight is not None else weight
     _gemv_kernel[(triton.cdiv(N, cfg.block_n), split)](
         x2, weight, b, dst, M, N, K, k_per_split, x2.stride(0), weight.stride(0), dst.stride(-2), stride_s,
+        r, nw, ro, r.stride(0), ro.stride(0), float(eps), up_offset,
         HAS_BIAS=bias is not None, SPLIT=split, USE_DOT=cfg.use_dot, EVEN_N=N % cfg.block_n == 0, EVEN_K=even_k,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_UPCAST=dot_upcast(x.dtype),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_UPCAST=dot_upcast(x2.dtype),
+        PRO=prologue, HAS_RES=residual is not None, WRITE_RES=residual_out is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(M, triton.cdiv(N, block))](dst, b, out, M, N, out.stride(0), SPLIT=split,
                                                           HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
-    return out.view(*shape[:-1], N)
+    return out
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

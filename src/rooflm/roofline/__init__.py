@@ -1,5 +1,5 @@
-"""Roofline analysis of LLM inference (seed 004's LLM-Viewer, corrected and extended): per-operator OPs, bytes,
-arithmetic intensity, bound and best-possible time; memory; whole-request latency. Pure Python; plots and the
+"""Roofline analysis of LLM inference (LLM-Viewer of Yuan et al. 2024, "LLM Inference Unveiled", corrected and
+extended): per-operator OPs, bytes, arithmetic intensity, bound and best-possible time; memory; whole-request latency. Pure Python; plots and the
 ``--measure`` probe import matplotlib / torch lazily.
 
     from rooflm.roofline import analyze, Hardware

@@ -22,7 +22,7 @@ def _int_list(field: str, text: str) -> list[int]:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "analyze", help="roofline analysis: per-operator OPs, bytes, bound and best time; memory; latency",
-        description="Roofline analysis of a model on a device (seed 004's LLM-Viewer, corrected). Comma lists in "
+        description="Roofline analysis of a model on a device (LLM-Viewer of Yuan et al. 2024, corrected). Comma lists in "
                     "--batch, --input-len and --w-bits make a sweep, printed as one table. See docs/roofline.md.")
     p.add_argument("model", nargs="?", help="named config (llama-2-7b, ...), config.json, checkpoint folder or .gguf")
     p.add_argument("--hardware", default="a6000", help="device from the catalog (see --list-hardware); default a6000")
@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", default="2048", help="prompt tokens, or a comma list (default 2048)")
     p.add_argument("--output-len", type=int, default=256, help="generated tokens (default 256)")
     p.add_argument("--decode-context", type=int, default=None,
-                   help="context of the reported decode step (default: --input-len, as seed 004's Table 1)")
+                   help="context of the reported decode step (default: --input-len, as in Table 1 of Yuan et al. 2024)")
     p.add_argument("--w-bits", default="16", help=f"weight bits: {BITS_HELP}; a comma list sweeps (default 16)")
     p.add_argument("--a-bits", default="16", help=f"activation bits: {BITS_HELP} (default 16)")
     p.add_argument("--kv-bits", default="16", help=f"KV-cache bits: {BITS_HELP} (default 16)")

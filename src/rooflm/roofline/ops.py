@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 STAGES = ("prefill", "decode")
 LOGITS_MODES = ("all", "last")
-NORM_OPS_PER_ELEMENT = 7  # RMSNorm as seed 004 counts it: square, sum, mean, +eps, rsqrt, scale, ·weight
+NORM_OPS_PER_ELEMENT = 7  # RMSNorm as Yuan et al. 2024 counts it: square, sum, mean, +eps, rsqrt, scale, ·weight
 SOFTMAX_OPS_PER_ELEMENT = 5  # max, subtract, exp, sum, divide
 ACT_OPS_PER_ELEMENT = 4  # silu(g)·u = g / (1 + exp(-g)) · u: exp, add, divide, multiply
 ROTARY_OPS_PER_ELEMENT = 3  # x·cos + rotate_half(x)·sin: 2 multiplies, 1 add
@@ -33,7 +33,7 @@ class Counting:
     prefill_logits: "all" computes lm_head for every prompt token (Hugging Face transformers); "last" only for the
         last token of each sequence (vLLM, rooflm's engine).
     llm_viewer_elementwise: count norms without loading their weight and residual adds with one input, as LLM-Viewer
-        and seed 004's Table 1 do (only for reproducing Table 1; both are undercounts)."""
+        and Table 1 of Yuan et al. 2024 do (only for reproducing Table 1; both are undercounts)."""
 
     flash_attention: bool = False
     prefill_logits: str = "all"
@@ -165,7 +165,7 @@ def attention_ops(d: Dims, p: Precision, c: Counting, stage: str, batch: int, q_
     """Attention proper (after rotary, before o_proj). GQA: K and V are read once per KV head (Hk), Q and the output
     per query head (H).
 
-    Unfused (seed 004's Table 1): the score matrix S = b·H·q·L elements (prefill: the full s×s, masked, as Table 1)
+    Unfused (Table 1 of Yuan et al. 2024): the score matrix S = b·H·q·L elements (prefill: the full s×s, masked, as Table 1)
       qk_matmul  OPs 2·S·d;  loads Q (T·H·d·a) and K (b·L·Hk·d·kv);  stores S·a
       softmax    OPs 5·S;    loads S·a;  stores S·a
       sv_matmul  OPs 2·S·d;  loads S·a and V (b·L·Hk·d·kv);  stores O (T·H·d·a)

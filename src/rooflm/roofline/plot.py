@@ -1,5 +1,5 @@
 """PNG plots (matplotlib, imported here only): the roofline with every operator as a point, the time breakdown by
-operator, and a sweep curve like seed 004's Figure 7 (decode time vs batch, one line per weight bit width) or
+operator, and a sweep curve like Figure 7 of Yuan et al. 2024 (decode time vs batch, one line per weight bit width) or
 Figure 8 (prefill time vs prompt length)."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Bit widths of weights, activations and the KV cache, and which compute peak a matmul gets.
 
 A bit width is given as a string (or int): ``32``, ``16``, ``bf16``, ``8`` (int8), ``fp8`` or ``4`` (int4).
-Rules (seed 004, Sec. 3.1.1): a matmul runs at a low-precision peak (int8, fp8) only when *both* operands are in that
+Rules (Yuan et al. 2024, Sec. 3.1.1): a matmul runs at a low-precision peak (int8, fp8) only when *both* operands are in that
 format; otherwise the low-precision operand is converted ("dequantized") to the wider float format, and the
 conversion is reported as its own figure (``dequant_ops``) while the matmul's OPs stay 2·in·out·tokens."""
 from __future__ import annotations

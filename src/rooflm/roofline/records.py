@@ -11,7 +11,7 @@ from rooflm.roofline.hardware import Hardware
 @dataclass(frozen=True)
 class LayerRecord:
     """One operator. ``count`` is how often it runs per forward pass: num_hidden_layers for per-block rows
-    (``scope="block"``; the figures are for one block, as seed 004's Table 1), 1 for model-level rows."""
+    (``scope="block"``; the figures are for one block, as in Table 1 of Yuan et al. 2024), 1 for model-level rows."""
 
     name: str
     stage: str

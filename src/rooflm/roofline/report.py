@@ -12,7 +12,7 @@ _SI = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K"))
 
 
 def si(x: float, digits: int = 3) -> str:
-    """Engineering notation as seed 004's Table 1 writes it: 68.7G, 67.1M, 1.25, 0 (3 significant digits)."""
+    """Engineering notation as Table 1 of Yuan et al. 2024 writes it: 68.7G, 67.1M, 1.25, 0 (3 significant digits)."""
     if x == 0:
         return "0"
     for scale, suffix in _SI:

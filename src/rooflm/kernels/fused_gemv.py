@@ -1,0 +1,214 @@
+# Decode projections that do the elementwise op before them in their own prologue: one launch instead of two.
+#
+# Technique: prologue fusion into a memory-bound GEMV (as in FlashDecoding++, Hong et al. 2024, and TensorRT-LLM's
+# fused norm + GEMM plugins). At decode (M <= 16 rows) a projection's cost is reading its weight; the input rows are
+# a few KB that every program of the GEMV (``rooflm/kernels/gemv.py``) streams anyway, from the L2 after the first.
+# So the GEMV can compute the op that produced its input itself, and the separate kernel, its launch and the round
+# trip of the intermediate through memory disappear:
+#
+#   * rmsnorm_gemv: residual add + RMSNorm (Zhang & Sennrich 2019) before qkv_proj and gate_up_proj. Each program
+#     first takes sum((x + residual)^2) over the whole row (a short pass over K), then streams W and feeds
+#     rms_norm(x + residual) * norm_weight to the product, with the roundings of ``rooflm/kernels/rmsnorm.py``
+#     (sum rounded to the dtype, statistic in float32, normalised row rounded, then scaled and rounded again): the
+#     GEMV input equals the unfused norm's output up to the summation order of the statistic. The new residual
+#     stream (x + residual) is written once, by the programs of the first column block and first K split, into a
+#     fresh buffer that no program of the launch reads.
+#   * silu_mul_gemv: silu(gate) * up before down_proj. Programs read their K range of [gate | up] and feed
+#     (silu(gate) rounded) * up rounded, the roundings of ``rooflm/kernels/activation.py``; split-K works unchanged.
+#
+# Which configuration runs, and whether fusing pays at all for a shape, is measured on the running device the first
+# time a shape bucket is seen, like ``gemv.linear``: each fused candidate against the unfused pair (the elementwise
+# kernel followed by the GEMV ``gemv.linear`` picks), replayed from CUDA graphs over weight copies larger than the L2.
+# ``ROOFLM_FUSED_GEMV=off`` keeps the unfused pair; ``on`` takes the fastest fused candidate without the comparison.
+from __future__ import annotations
+
+import os
+
+import torch
+
+from rooflm.kernels._utils import interpreting
+from rooflm.kernels.gemv import (
+    CANDIDATES, MAX_M, PRO_RMSNORM, PRO_SILU_MUL, GemvConfig, _m_bucket, _short, check_weight, launch_gemv,
+    time_in_graph, weight_copies,
+)
+
+
+def _rows(name: str, x: torch.Tensor, width: int) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] != width or x.stride(1) != 1:
+        raise ValueError(f"{name} must be [rows, {width}] and contiguous in its last dim; got {tuple(x.shape)} "
+                         f"(strides {x.stride()})")
+    if not 1 <= x.shape[0] <= MAX_M:
+        raise ValueError(f"{name} has {x.shape[0]} rows; the fused GEMV takes 1 to {MAX_M}")
+    return x
+
+
+def rmsnorm_gemv(
+    x: torch.Tensor,  # [M, K], M <= 16
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None,  # [N] or None
+    cfg: GemvConfig,
+    residual: torch.Tensor | None = None,  # [M, K]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) @ weight.T + bias, x + residual) in one launch (plus the split-K reduction when
+    cfg splits K). Without residual: (rms_norm(x) @ weight.T + bias, x)."""
+    K = x.shape[-1] if x.dim() == 2 else -1
+    _rows("x", x, K)
+    if residual is not None:
+        _rows("residual", residual, K)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    if norm_weight.shape != (K,):
+        raise ValueError(f"norm_weight {tuple(norm_weight.shape)} does not match hidden size {K}")
+    check_weight(weight, K, x.shape)
+    if not cfg.supports(x.shape[0]):
+        raise ValueError(f"{cfg} does not support M={x.shape[0]}")
+    res_out = torch.empty_like(x) if residual is not None else None
+    out = launch_gemv(x, K, weight, bias, cfg, PRO_RMSNORM, residual, norm_weight.contiguous(), eps, res_out)
+    return out, (res_out if res_out is not None else x)
+
+
+def silu_mul_gemv(
+    gate_up: torch.Tensor,  # [M, 2 * d], M <= 16
+    weight: torch.Tensor,  # [N, d]
+    bias: torch.Tensor | None,
+    cfg: GemvConfig,
+) -> torch.Tensor:
+    """(silu(gate) * up) @ weight.T + bias for a [gate | up] row, in one launch (plus the split-K reduction)."""
+    width = gate_up.shape[-1] if gate_up.dim() == 2 else -1
+    if width % 2:
+        raise ValueError(f"gate_up needs an even last dimension ([gate | up]); got {tuple(gate_up.shape)}")
+    _rows("gate_up", gate_up, width)
+    d = width // 2
+    check_weight(weight, d, (gate_up.shape[0], d))
+    if not cfg.supports(gate_up.shape[0]):
+        raise ValueError(f"{cfg} does not support M={gate_up.shape[0]}")
+    return launch_gemv(gate_up, d, weight, bias, cfg, PRO_SILU_MUL, up_offset=d)
+
+
+def rmsnorm_gemv_ref(x, norm_weight, eps, weight, bias=None, residual=None):
+    """The twin: the unfused reference norm (``rms_norm_ref``), then torch's linear."""
+    from rooflm.kernels.rmsnorm import rms_norm_ref
+
+    if residual is None:
+        return torch.nn.functional.linear(rms_norm_ref(x, norm_weight, eps), weight, bias), x
+    h, res = rms_norm_ref(x, norm_weight, eps, residual)
+    return torch.nn.functional.linear(h, weight, bias), res
+
+
+def silu_mul_gemv_ref(gate_up, weight, bias=None):
+    from rooflm.kernels.activation import silu_and_mul_ref
+
+    return torch.nn.functional.linear(silu_and_mul_ref(gate_up), weight, bias)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Measure and pick: a fused configuration, or None for the unfused pair
+# ---------------------------------------------------------------------------------------------------------------------
+_choices: dict[tuple, GemvConfig | None] = {}
+INTERPRETER_CONFIGS = (GemvConfig(False, 16, 64), GemvConfig(True, 16, 64))  # CPU tests: small tiles, no timing
+
+
+def fused_gemv_mode() -> str:
+    """``ROOFLM_FUSED_GEMV``: "auto" (default: fuse where measured faster), "on" (always fuse) or "off"."""
+    mode = os.environ.get("ROOFLM_FUSED_GEMV", "auto")
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"ROOFLM_FUSED_GEMV={mode!r} is invalid: expected auto, on or off")
+    return mode
+
+
+def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_M and x.dtype in (torch.float16, torch.bfloat16)
+            and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(-1) == 1 and x.stride(-1) == 1
+            and (x.is_cuda or interpreting()))
+
+
+def _pick(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, make_calls):
+    """The fastest of the unfused pair and every fused candidate for this shape bucket (cached). ``make_calls()``
+    returns (fused, unfused), called only when a bucket is timed: ``fused(cfg, xs, w)`` and ``unfused(xs, w)`` run
+    one step on ``xs`` ([M bucket, width] random rows) with weight ``w``."""
+    if not _eligible(x, weight):
+        return None
+    M = x.shape[0]
+    if interpreting():
+        return INTERPRETER_CONFIGS[M > 1]
+    key = (kind, _m_bucket(M), weight.shape[0], weight.shape[1], x.dtype, bias is not None, x.device)
+    if key in _choices:
+        pick = _choices[key]
+        return pick if pick is None or pick.supports(M) else None
+    if torch.cuda.is_current_stream_capturing():
+        return None  # no timing inside a capture; the runner warms up every bucket eagerly first
+    mode = fused_gemv_mode()
+    if mode == "off" or os.environ.get("ROOFLM_GEMV", "auto") == "off":
+        _choices[key] = None
+        return None
+    mb = key[1]
+    fused, unfused = make_calls()
+    xs = torch.randn(mb, x.shape[1], dtype=x.dtype, device=x.device)
+    copies = weight_copies(weight)
+    results: list[tuple[float, GemvConfig | None]] = []
+    if mode == "auto":
+        results.append((time_in_graph(lambda w: unfused(xs, w), copies, x.device), None))
+    for cfg in CANDIDATES:
+        if cfg.supports(mb):
+            results.append((time_in_graph(lambda w, c=cfg: fused(c, xs, w), copies, x.device), cfg))
+    del copies
+    results.sort(key=lambda r: r[0])
+    pick = results[0][1]
+    if os.environ.get("ROOFLM_GEMV", "auto") == "verbose":
+        print(f"[rooflm.fused_gemv] {kind} M<={mb} N={weight.shape[0]} K={weight.shape[1]}: "
+              + ", ".join(f"{'unfused' if c is None else _short(c)}={t * 1e3:.1f}us" for t, c in results))
+    _choices[key] = pick
+    return pick
+
+
+def pick_rmsnorm_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      eps: float = 1e-6) -> GemvConfig | None:
+    """The configuration to run ``rmsnorm_gemv`` with for rows like x ([M, K]), or None where the unfused norm +
+    GEMV is faster (or the inputs do not suit the kernel: not CUDA, more than 16 rows, another dtype)."""
+
+    def make_calls():
+        from rooflm.kernels.gemv import linear
+        from rooflm.kernels.rmsnorm import rms_norm
+
+        nw = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+        res = torch.randn(MAX_M, x.shape[-1], dtype=x.dtype, device=x.device)
+
+        def fused(cfg, xs, w):
+            return rmsnorm_gemv(xs, nw, eps, w, bias, cfg, res[: xs.shape[0]])
+
+        def unfused(xs, w):
+            h, _ = rms_norm(xs, nw, eps, res[: xs.shape[0]])
+            return linear(h, w, bias)
+
+        return fused, unfused
+
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
+        return None
+    return _pick("rmsnorm", x, weight, bias, make_calls)
+
+
+def pick_silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
+    """Like ``pick_rmsnorm_gemv`` for ``silu_mul_gemv`` on [gate | up] rows."""
+
+    def make_calls():
+        from rooflm.kernels.activation import silu_and_mul
+        from rooflm.kernels.gemv import linear
+
+        def fused(cfg, xs, w):
+            return silu_mul_gemv(xs, w, bias, cfg)
+
+        def unfused(xs, w):
+            return linear(silu_and_mul(xs), w, bias)
+
+        return fused, unfused
+
+    if gate_up.dim() != 2 or weight.dim() != 2 or gate_up.shape[-1] != 2 * weight.shape[-1]:
+        return None
+    return _pick("silu_mul", gate_up, weight, bias, make_calls)
+
+
+def choices() -> dict[tuple, GemvConfig | None]:
+    """What was picked so far, for reports: {(kind, M bucket, N, K, dtype, has_bias, device): config or None}."""
+    return dict(_choices)
