@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rooflm.layers.custom_op import CustomOp
+from rooflm.layers.custom_op import TRITON, CustomOp, OpSelection
+from rooflm.layers.linear import GEMV_MAX_ROWS, Linear
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -27,6 +28,44 @@ class SiluAndMul(CustomOp):
 
     def extra_repr(self) -> str:
         return f"impl={self.impl}"
+
+
+class SiluAndMulLinear(CustomOp):
+    """``proj(act(gate_up))``: the down projection of a SwiGLU MLP with its activation. Built over an existing
+    ``SiluAndMul`` and ``Linear``, which keep their parameters (this op registers neither).
+
+    The reference path calls the two modules in turn. The Triton path, at most 16 rows (decode), reads [gate | up]
+    inside the projection's GEMV (``rooflm.kernels.fused_gemv.silu_mul_gemv``) where that was measured faster for
+    the shape; otherwise, and above 16 rows, the two modules in turn."""
+
+    def __init__(self, act: CustomOp, proj: Linear) -> None:
+        super().__init__()
+        if not isinstance(act, SiluAndMul):
+            raise ValueError(f"act={type(act).__name__} is not supported: SiluAndMulLinear fuses SiluAndMul")
+        self._parts = (act, proj)  # a plain tuple: not submodules, so no second name for their parameters
+
+    def choose(self, selection: OpSelection) -> None:
+        from rooflm.layers.norm import fused_gemv_allowed_by_env
+
+        super().choose(selection)
+        self.fuse = self.impl == TRITON and fused_gemv_allowed_by_env()
+
+    def forward_native(self, gate_up: torch.Tensor) -> torch.Tensor:
+        act, proj = self._parts
+        return proj(act(gate_up))
+
+    def forward_cuda(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fuse and gate_up.dim() == 2 and gate_up.shape[0] <= GEMV_MAX_ROWS:
+            from rooflm.kernels.fused_gemv import pick_silu_mul_gemv, silu_mul_gemv
+
+            _, proj = self._parts
+            cfg = pick_silu_mul_gemv(gate_up, proj.weight, proj.bias)
+            if cfg is not None:
+                return silu_mul_gemv(gate_up, proj.weight, proj.bias, cfg)
+        return self.forward_native(gate_up)  # the two modules, each on the path it chose
+
+    def extra_repr(self) -> str:
+        return f"fuse={getattr(self, 'fuse', False)}, impl={self.impl}"
 
 
 _ACTIVATIONS: dict[str, type[CustomOp]] = {"silu": SiluAndMul, "swish": SiluAndMul}

@@ -1,14 +1,25 @@
-"""RMSNorm, alone and fused with the residual add that precedes it in every pre-norm decoder layer.
+"""RMSNorm, alone and fused with the residual add that precedes it in every pre-norm decoder layer; and
+``RMSNormLinear``, the norm followed by the projection that reads it.
 
 The torch functions here are the reference (``forward_native``); ``forward_cuda`` runs one Triton kernel for the add
-and the norm with the same roundings (``rooflm/kernels/rmsnorm.py``).
+and the norm with the same roundings (``rooflm/kernels/rmsnorm.py``). ``RMSNormLinear`` on the Triton path runs the
+add, the norm and the projection as one GEMV launch at decode sizes (``rooflm/kernels/fused_gemv.py``).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
 
-from rooflm.layers.custom_op import CustomOp
+from rooflm.layers.custom_op import TRITON, CustomOp, OpSelection
+from rooflm.layers.linear import GEMV_MAX_ROWS, Linear
+
+
+def fused_gemv_allowed_by_env() -> bool:
+    """``ROOFLM_FUSED_GEMV=off`` keeps the fused ops of the Triton path on their unfused pairs (read when an op
+    chooses its implementation; other values are checked by ``rooflm.kernels.fused_gemv``)."""
+    return os.environ.get("ROOFLM_FUSED_GEMV", "auto") != "off"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,3 +62,48 @@ class RMSNorm(CustomOp):
 
     def extra_repr(self) -> str:
         return f"hidden={self.weight.shape[0]}, eps={self.eps}, impl={self.impl}"
+
+
+class RMSNormLinear(CustomOp):
+    """``proj(norm(x))``, or with ``residual``: (proj(norm(x + residual)), x + residual); without residual the
+    second value is x itself. Built over an existing ``RMSNorm`` and ``Linear``, which keep their parameters (and
+    their names, and weight loading): this op registers neither.
+
+    The reference path calls the two modules in turn, as an unfused layer does. The Triton path, at most 16 rows
+    (decode), runs the add, the norm and the projection as one GEMV (``rooflm.kernels.fused_gemv.rmsnorm_gemv``)
+    where that was measured faster for the shape; otherwise, and above 16 rows, the two modules in turn."""
+
+    def __init__(self, norm: RMSNorm, proj: Linear) -> None:
+        super().__init__()
+        if norm.weight.shape[0] != proj.in_features:
+            raise ValueError(f"norm hidden size {norm.weight.shape[0]} does not match proj.in_features "
+                             f"{proj.in_features}")
+        self._parts = (norm, proj)  # a plain tuple: not submodules, so no second name for their parameters
+
+    def choose(self, selection: OpSelection) -> None:
+        super().choose(selection)
+        self.fuse = self.impl == TRITON and fused_gemv_allowed_by_env()
+
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        norm, proj = self._parts
+        if residual is None:
+            return proj(norm(x)), x
+        h, residual = norm(x, residual)
+        return proj(h), residual
+
+    def forward_cuda(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fuse and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+            from rooflm.kernels.fused_gemv import pick_rmsnorm_gemv, rmsnorm_gemv
+
+            norm, proj = self._parts
+            cfg = pick_rmsnorm_gemv(x, proj.weight, proj.bias, norm.eps)
+            if cfg is not None and (residual is None or residual.shape == x.shape):
+                return rmsnorm_gemv(x, norm.weight, norm.eps, proj.weight, proj.bias, cfg, residual)
+        return self.forward_native(x, residual)  # the two modules, each on the path it chose
+
+    def extra_repr(self) -> str:
+        return f"fuse={getattr(self, 'fuse', False)}, impl={self.impl}"

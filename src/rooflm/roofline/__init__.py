@@ -1,6 +1,6 @@
 """Roofline analysis of LLM inference (LLM-Viewer of Yuan et al. 2024, "LLM Inference Unveiled", corrected and
-extended): per-operator OPs, bytes, arithmetic intensity, bound and best-possible time; memory; whole-request latency. Pure Python; plots and the
-``--measure`` probe import matplotlib / torch lazily.
+extended): per-operator OPs, bytes, arithmetic intensity, bound and best-possible time; memory; whole-request
+latency. Pure Python; plots and the ``--measure`` probe import matplotlib / torch lazily.
 
     from rooflm.roofline import analyze, Hardware
     r = analyze("llama-2-7b", "a6000", batch=1, input_len=2048)
