@@ -209,6 +209,9 @@ class EngineConfig:
     # CUDA: the fraction of the device's memory this engine may use; the KV pool gets what the weights and the peak
     # activations of a profiled forward pass at the configured batch limits leave.
     gpu_memory_utilization: float = 0.9
+    # Speculative decoding (vLLM's names), a dict or its JSON text, e.g. {"method": "ngram", "num_speculative_tokens":
+    # 4}; see rooflm.spec_decode.config.SpeculativeConfig. None: off.
+    speculative_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -225,6 +228,11 @@ class EngineConfig:
             raise _bad("EngineConfig", "async_scheduling", self.async_scheduling, "True, False or None (auto)")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise _bad("EngineConfig", "max_model_len", self.max_model_len, "a positive integer or None")
+        from rooflm.spec_decode.config import SpeculativeConfig
+
+        if SpeculativeConfig.parse(self.speculative_config) is not None and self.async_scheduling:
+            raise _bad("EngineConfig", "async_scheduling", self.async_scheduling,
+                       "False or None with speculative_config (draft tokens are proposed from the last step's tokens)")
         # The sub-configs validate the rest.
         self.cache_config()
         SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len or 1)

@@ -209,3 +209,52 @@ def check_gemv(cfg, m, n, k, bias, dtype=torch.float16, device="cpu", seed=0):
     rel = ((out.double() - ref).norm() / ref.norm()).item()
     limit = {torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     assert rel < limit, f"gemv {cfg} M={m} N={n} K={k}: relative error {rel:.2e} >= {limit}"
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(out).any(), "NaN in output"
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def check_rmsnorm_gemv(cfg, m, n, k, with_residual, bias=False, dtype=torch.float16, device="cpu", seed=0,
+                       one_pass=False):
+    """The fused add + RMSNorm + GEMV against the unfused reference norm followed by a float64 product; the new
+    residual stream must be exactly x + residual rounded to the dtype."""
+    from rooflm.kernels.fused_gemv import rmsnorm_gemv
+    from rooflm.kernels.rmsnorm import rms_norm_ref
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype).to(device)
+    r = torch.randn(m, k, generator=g).to(dtype).to(device) if with_residual else None
+    nw = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=g) / math.sqrt(k)).to(dtype).to(device)
+    b = torch.randn(n, generator=g).to(dtype).to(device) if bias else None
+    out, res = rmsnorm_gemv(x, nw, 1e-5, w, b, cfg, r, one_pass=one_pass)
+    h = rms_norm_ref(x, nw, 1e-5, r)
+    h, res_ref = (h, x) if r is None else h
+    ref = torch.nn.functional.linear(h.double(), w.double(), None if b is None else b.double())
+    rel = _rel_err(out, ref)
+    limit = {torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert out.shape == (m, n) and rel < limit, (f"rmsnorm_gemv {cfg} one_pass={one_pass} M={m} N={n} K={k}: "
+                                                 f"relative error {rel:.2e}")
+    if dtype == torch.bfloat16 and device == "cpu":
+        # Triton 3.9's interpreter truncates float32 -> bfloat16 (the GPU rounds to nearest): one ulp apart
+        assert_close(res, res_ref, dtype, "residual")
+    else:
+        assert torch.equal(res, res_ref), "the new residual must be exactly x + residual rounded to the dtype"
+
+
+def check_silu_mul_gemv(cfg, m, n, d, bias=False, dtype=torch.float16, device="cpu", seed=0):
+    """The fused SiLU-and-mul + GEMV against the unfused reference activation followed by a float64 product."""
+    from rooflm.kernels.activation import silu_and_mul_ref
+    from rooflm.kernels.fused_gemv import silu_mul_gemv
+
+    g = torch.Generator().manual_seed(seed)
+    gu = (3 * torch.randn(m, 2 * d, generator=g)).to(dtype).to(device)
+    w = (torch.randn(n, d, generator=g) / math.sqrt(d)).to(dtype).to(device)
+    b = torch.randn(n, generator=g).to(dtype).to(device) if bias else None
+    out = silu_mul_gemv(gu, w, b, cfg)
+    ref = torch.nn.functional.linear(silu_and_mul_ref(gu).double(), w.double(), None if b is None else b.double())
+    rel = _rel_err(out, ref)
+    limit = {torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert out.shape == (m, n) and rel < limit, f"silu_mul_gemv {cfg} M={m} N={n} d={d}: relative error {rel:.2e}"

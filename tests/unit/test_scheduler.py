@@ -28,7 +28,7 @@ def make_request(rid: str, n_prompt: int, max_tokens: int = 8, start: int = 100,
 
 def fake_output(out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
     """What a runner would return: one token per sampling request."""
-    return ModelRunnerOutput(list(out.sampling_req_ids), [token] * len(out.sampling_req_ids))
+    return ModelRunnerOutput(list(out.sampling_req_ids), [[token] for _ in out.sampling_req_ids])
 
 
 def step(s: Scheduler, token: int = 7) -> SchedulerOutput:

@@ -100,6 +100,15 @@ class LLMEngine:
         per_block = kv_bytes_per_block(cfg, config.block_size, self.dtype)
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
+        from rooflm.spec_decode.config import SpeculativeConfig
+        from rooflm.spec_decode.proposer import SpeculativeProposer
+
+        self.spec_config = SpeculativeConfig.parse(config.speculative_config)
+        self.proposer = None
+        if self.spec_config is not None:
+            # Drafts are proposed from the tokens of the step just read back, so steps cannot overlap.
+            self.async_scheduling = False
+            self.proposer = SpeculativeProposer(self.spec_config, self.roofline, self.max_model_len)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), at most %d tokens; max_model_len=%d; %s on %s%s",
                     num_blocks, config.block_size, num_blocks * per_block / 2**20, num_blocks * config.block_size,
                     self.max_model_len, str(self.dtype).removeprefix("torch."), self.device,
@@ -219,6 +228,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step. Synchronous: schedule, execute, wait, update. Asynchronous: schedule and launch
         this step, then finish the previous one (its outputs are what this call returns)."""
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running, self.stats)
         out = self.scheduler.schedule()
         if not out.is_empty:
             launched = time.perf_counter()
@@ -256,5 +267,8 @@ class LLMEngine:
         s.prefix_queries = self.kv.prefix_queries
         s.prefix_hits = self.kv.prefix_hits
         s.prompt_tokens_total = self.scheduler.num_prompt_tokens_computed
+        s.spec_draft_tokens = self.scheduler.num_draft_tokens
+        s.spec_accepted_tokens = self.scheduler.num_accepted_tokens
+        s.spec_verifications = self.scheduler.num_verifications
         self.roofline.fill_stats(s)
         return s

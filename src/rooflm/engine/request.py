@@ -52,6 +52,7 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.spec_token_ids: list[int] = []  # draft tokens to verify in the next step (speculative decoding)
         self.prompt_high_water = 0  # prompt positions computed at least once (for the prompt-token counter)
 
     @property

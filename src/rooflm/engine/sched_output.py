@@ -44,8 +44,11 @@ class SchedulerOutput:
     cached_reqs: list[CachedRequestData]
     # req_id -> tokens to compute this step, in batch order (new and cached requests interleaved as scheduled).
     num_scheduled_tokens: dict[str, int]
-    # Requests whose last scheduled token ends at their known length: the step samples one token for each.
+    # Requests whose last scheduled token ends at their known length: the step samples for each (one token, or with
+    # draft tokens the accepted ones plus one).
     sampling_req_ids: list[str] = field(default_factory=list)
+    # Speculative decoding: req_id -> draft tokens scheduled after the request's last token (verified this step).
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)  # since the last step: the runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), run before the forward pass
@@ -70,7 +73,7 @@ class ModelRunnerOutput:
     """What one step produced, on the host. Rows follow ``SchedulerOutput.sampling_req_ids``."""
 
     req_ids: list[str]
-    sampled_token_ids: list[int]
+    sampled_token_ids: list[list[int]]  # per request: one token, or the accepted draft tokens plus one
     # Per row when the request asked for logprobs, else None: {token_id: logprob} (top-k plus the sampled one).
     logprobs: list[dict[int, float] | None] = field(default_factory=list)
     sampled_logprobs: list[float | None] = field(default_factory=list)

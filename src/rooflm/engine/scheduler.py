@@ -46,6 +46,10 @@ class Scheduler:
         self.peak_blocks_used = 0
         # Prompt tokens computed, each position once: prefix-cache hits and recomputation after preemption excluded.
         self.num_prompt_tokens_computed = 0
+        # Speculative decoding: draft tokens verified and accepted so far.
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_verifications = 0
 
     # -- requests -----------------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -100,10 +104,14 @@ class Scheduler:
         chosen: dict[str, int] = {}  # req_id -> number of new tokens, in batch order
         preempted: set[str] = set()
 
+        spec_used: dict[str, int] = {}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.spec_token_ids and num_new == 1 and budget > 1:  # a decode with draft tokens to verify
+                spec_used[req.request_id] = n_spec = min(len(req.spec_token_ids), budget - 1)
+                num_new += n_spec
             if num_new <= 0 or (req.num_output_placeholders and self._will_finish(req)):
                 i += 1
                 continue
@@ -115,6 +123,7 @@ class Scheduler:
                     del self._sent_blocks[victim.request_id]
                     preempted.add(victim.request_id)
                 budget += chosen.pop(victim.request_id, 0)
+                spec_used.pop(victim.request_id, None)
                 if victim is req:
                     break
             else:
@@ -124,7 +133,7 @@ class Scheduler:
 
         if not preempted:
             self._admit_waiting(budget, chosen)
-        return self._build_output(chosen, preempted)
+        return self._build_output(chosen, preempted, spec_used)
 
     def _admit_waiting(self, budget: int, chosen: dict[str, int]) -> None:
         now = time.monotonic()
@@ -164,11 +173,12 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _build_output(self, chosen: dict[str, int], preempted: set[str]) -> SchedulerOutput:
+    def _build_output(self, chosen: dict[str, int], preempted: set[str], spec_used: dict[str, int]) -> SchedulerOutput:
         new_reqs: list[NewRequestData] = []
         cached: list[CachedRequestData] = []
         sampling: list[str] = []
         computed_after: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
         for rid, num_new in chosen.items():
             req = self.requests[rid]
             start = req.num_computed_tokens
@@ -193,16 +203,20 @@ class Scheduler:
                 # tokens can be hashed; one ending in a token still in flight is registered at a later step.
                 self.kv.cache_full_blocks(rid, req.all_token_ids, min(end, len(req.all_token_ids)),
                                           req.update_block_hashes(self.kv.block_size))
-            if end == req.num_tokens:
+            n_spec = spec_used.get(rid, 0)
+            if n_spec:
+                spec_tokens[rid] = req.spec_token_ids[:n_spec]
+            if end == req.num_tokens + n_spec:
                 sampling.append(rid)
                 req.num_output_placeholders += 1
+            req.spec_token_ids = []
         used = self.kv.num_blocks - self.kv.num_free_blocks
         self.peak_blocks_used = max(self.peak_blocks_used, used)
         finished: set[str] = set()
         if chosen:  # an empty step is not executed: keep the finished ids for the next one the runner sees
             finished, self._finished_for_runner = self._finished_for_runner, set()
-        return SchedulerOutput(new_reqs, cached, chosen, sampling, finished, preempted, self.kv.take_pending_copies(),
-                               computed_after)
+        return SchedulerOutput(new_reqs, cached, chosen, sampling, spec_tokens, finished, preempted,
+                               self.kv.take_pending_copies(), computed_after)
 
     # -- after the forward pass ----------------------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -218,20 +232,29 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            token = result.sampled_token_ids[row]
-            req.all_token_ids.append(token)
+            tokens = result.sampled_token_ids[row]
             req.num_output_placeholders -= 1
+            spec = out.scheduled_spec_tokens.get(rid)
+            if spec:
+                # Draft positions after the first rejected one hold KV of tokens that were not kept: recompute them.
+                req.num_computed_tokens -= len(spec) + 1 - len(tokens)
+                self.num_draft_tokens += len(spec)
+                self.num_verifications += 1
+                self.num_accepted_tokens += len(tokens) - 1
             o = outputs.get(rid) or outputs.setdefault(rid, EngineCoreOutput(rid, []))
-            o.new_token_ids.append(token)
-            if result.logprobs and result.logprobs[row] is not None:
-                o.new_logprobs.append(result.logprobs[row])
-                o.new_sampled_logprobs.append(result.sampled_logprobs[row])
-            known = len(req.all_token_ids)  # placeholders of steps still in flight do not count yet
-            stop = check_stop(token, known - req.num_prompt_tokens, req.params, self.eos_token_ids,
-                              None, known, self.config.max_model_len)
-            if stop is not None:
-                self._finish(req, *stop)
-                o.finish_reason, o.stop_reason = stop
+            for j, token in enumerate(tokens):
+                req.all_token_ids.append(token)
+                o.new_token_ids.append(token)
+                if result.logprobs and result.logprobs[row] is not None:
+                    o.new_logprobs.append(result.logprobs[row])
+                    o.new_sampled_logprobs.append(result.sampled_logprobs[row])
+                known = len(req.all_token_ids)  # placeholders of steps still in flight do not count yet
+                stop = check_stop(token, known - req.num_prompt_tokens, req.params, self.eos_token_ids,
+                                  None, known, self.config.max_model_len)
+                if stop is not None:  # tokens accepted after the stop are dropped
+                    self._finish(req, *stop)
+                    o.finish_reason, o.stop_reason = stop
+                    break
         return list(outputs.values())
 
 

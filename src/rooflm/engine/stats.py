@@ -18,6 +18,11 @@ class EngineStats:
     prompt_tokens_total: int = 0  # prompt tokens computed (prefix hits excluded)
     generation_tokens_total: int = 0
     num_steps: int = 0
+    # Speculative decoding: draft tokens verified, of those accepted, and verifications (one per request and step).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
+    spec_steps_disabled: int = 0  # steps in which the roofline predicted no gain, so nothing was proposed
     # The live roofline (rooflm.roofline.live.LiveRoofline.fill_stats); the defaults mean "not measured".
     roofline_fraction: float | None = None  # Σ best possible step time / Σ measured step time
     roofline_last_fraction: float | None = None  # of the latest step
@@ -28,6 +33,15 @@ class EngineStats:
     roofline_bucket_bounds: tuple[float, ...] = ()  # upper bounds of the per-step fraction buckets, the last +inf
     roofline_bucket_counts: tuple[int, ...] = ()  # steps per bucket (not cumulative)
     roofline_hardware: str | None = None  # the ceilings, e.g. "NVIDIA H200 measured: 4.2 TB/s, 760 TFLOP/s"
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens produced per verification: the accepted drafts plus the target's own token."""
+        return 1 + self.spec_accepted_tokens / self.spec_verifications if self.spec_verifications else None
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -6,19 +6,28 @@
 # So the GEMV can compute the op that produced its input itself, and the separate kernel, its launch and the round
 # trip of the intermediate through memory disappear:
 #
-#   * rmsnorm_gemv: residual add + RMSNorm (Zhang & Sennrich 2019) before qkv_proj and gate_up_proj. Each program
-#     first takes sum((x + residual)^2) over the whole row (a short pass over K), then streams W and feeds
-#     rms_norm(x + residual) * norm_weight to the product, with the roundings of ``rooflm/kernels/rmsnorm.py``
-#     (sum rounded to the dtype, statistic in float32, normalised row rounded, then scaled and rounded again): the
-#     GEMV input equals the unfused norm's output up to the summation order of the statistic. The new residual
-#     stream (x + residual) is written once, by the programs of the first column block and first K split, into a
-#     fresh buffer that no program of the launch reads.
+#   * rmsnorm_gemv: residual add + RMSNorm (Zhang & Sennrich 2019) before qkv_proj and gate_up_proj, two variants:
+#       - two-pass (default): each program first takes sum((x + residual)^2) over the whole row (a short pass over
+#         K), then streams W and feeds rms_norm(x + residual) * norm_weight to the product, with the roundings of
+#         ``rooflm/kernels/rmsnorm.py`` (sum rounded to the dtype, statistic in float32, normalised row rounded,
+#         then scaled and rounded again): the GEMV input equals the unfused norm's output up to the summation order
+#         of the statistic;
+#       - one-pass (``one_pass=True``; one row, one K split): the statistic is gathered in the same pass as the
+#         product, which uses (x + residual) * norm_weight in float32, and 1/rms scales the finished sums. No
+#         serial pass before the weight stream starts, but the GEMV input is not rounded to the dtype twice as in
+#         the unfused norm: the results differ from it by about one rounding of the dtype (and are no less
+#         accurate against exact arithmetic).
+#     The new residual stream (x + residual) is written once, by the programs of the first column block (and first
+#     K split), into a fresh buffer that no program of the launch reads.
 #   * silu_mul_gemv: silu(gate) * up before down_proj. Programs read their K range of [gate | up] and feed
 #     (silu(gate) rounded) * up rounded, the roundings of ``rooflm/kernels/activation.py``; split-K works unchanged.
 #
 # Which configuration runs, and whether fusing pays at all for a shape, is measured on the running device the first
-# time a shape bucket is seen, like ``gemv.linear``: each fused candidate against the unfused pair (the elementwise
-# kernel followed by the GEMV ``gemv.linear`` picks), replayed from CUDA graphs over weight copies larger than the L2.
+# time a shape is seen, like ``gemv.linear``: each fused candidate against the unfused pair (the elementwise kernel
+# followed by the GEMV ``gemv.linear`` picks), replayed from CUDA graphs over weight copies larger than the L2.
+# Only one-row (batch-1 decode) shapes are fused: on an H100 the flat-GEMM (tl.dot) variants with a prologue ran
+# 1.3-1.4x (norm) and 4x (SiLU) slower than the unfused pair at 2-16 rows (``python -m rooflm.kernels.bench_fused``),
+# as every column block recomputes the prologue on 16-row tiles; the kernels still take them when called directly.
 # ``ROOFLM_FUSED_GEMV=off`` keeps the unfused pair; ``on`` takes the fastest fused candidate without the comparison.
 from __future__ import annotations
 
@@ -28,7 +37,8 @@ import torch
 
 from rooflm.kernels._utils import interpreting
 from rooflm.kernels.gemv import (
-    CANDIDATES, MAX_M, PRO_RMSNORM, PRO_SILU_MUL, GemvConfig, _m_bucket, _short, check_weight, launch_gemv,
+    CANDIDATES, MAX_M, PRO_RMSNORM, PRO_RMSNORM_ONE_PASS, PRO_SILU_MUL, GemvConfig, _short, check_weight,
+    launch_gemv,
     time_in_graph, weight_copies,
 )
 
@@ -50,9 +60,11 @@ def rmsnorm_gemv(
     bias: torch.Tensor | None,  # [N] or None
     cfg: GemvConfig,
     residual: torch.Tensor | None = None,  # [M, K]
+    one_pass: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) @ weight.T + bias, x + residual) in one launch (plus the split-K reduction when
-    cfg splits K). Without residual: (rms_norm(x) @ weight.T + bias, x)."""
+    cfg splits K). Without residual: (rms_norm(x) @ weight.T + bias, x). ``one_pass``: the single-pass variant (see
+    the top of this file), for one row and a GEMV configuration without tl.dot or split-K."""
     K = x.shape[-1] if x.dim() == 2 else -1
     _rows("x", x, K)
     if residual is not None:
@@ -64,8 +76,12 @@ def rmsnorm_gemv(
     check_weight(weight, K, x.shape)
     if not cfg.supports(x.shape[0]):
         raise ValueError(f"{cfg} does not support M={x.shape[0]}")
+    if one_pass and (cfg.use_dot or cfg.split_k != 1 or x.shape[0] != 1):
+        raise ValueError(f"one_pass needs one row and a configuration without tl.dot or split-K; got {cfg}, "
+                         f"M={x.shape[0]}")
     res_out = torch.empty_like(x) if residual is not None else None
-    out = launch_gemv(x, K, weight, bias, cfg, PRO_RMSNORM, residual, norm_weight.contiguous(), eps, res_out)
+    out = launch_gemv(x, K, weight, bias, cfg, PRO_RMSNORM_ONE_PASS if one_pass else PRO_RMSNORM, residual,
+                      norm_weight.contiguous(), eps, res_out)
     return out, (res_out if res_out is not None else x)
 
 
@@ -106,8 +122,12 @@ def silu_mul_gemv_ref(gate_up, weight, bias=None):
 # ---------------------------------------------------------------------------------------------------------------------
 # Measure and pick: a fused configuration, or None for the unfused pair
 # ---------------------------------------------------------------------------------------------------------------------
-_choices: dict[tuple, GemvConfig | None] = {}
-INTERPRETER_CONFIGS = (GemvConfig(False, 16, 64), GemvConfig(True, 16, 64))  # CPU tests: small tiles, no timing
+_choices: dict[tuple, object] = {}
+# CPU tests under the interpreter: small tiles, no timing; (configuration, one_pass) for the norm
+INTERPRETER_PICKS = {("rmsnorm", False): (GemvConfig(False, 16, 64), True),
+                     ("rmsnorm", True): (GemvConfig(True, 16, 64), False),
+                     ("silu_mul", False): GemvConfig(False, 16, 64), ("silu_mul", True): GemvConfig(True, 16, 64)}
+FUSED_MAX_M = 1  # see the top of this file: above one row the unfused pair was faster
 
 
 def fused_gemv_mode() -> str:
@@ -124,49 +144,60 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and (x.is_cuda or interpreting()))
 
 
-def _pick(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, make_calls):
-    """The fastest of the unfused pair and every fused candidate for this shape bucket (cached). ``make_calls()``
-    returns (fused, unfused), called only when a bucket is timed: ``fused(cfg, xs, w)`` and ``unfused(xs, w)`` run
-    one step on ``xs`` ([M bucket, width] random rows) with weight ``w``."""
+def _pick(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, variants, make_calls):
+    """The fastest of the unfused pair (None) and every fused variant for this shape (cached). ``variants``: the
+    fused candidates (each run by ``fused(variant, xs, w)``); ``make_calls()`` returns (fused, unfused), called only
+    when a shape is timed; ``unfused(xs, w)`` runs the pair on ``xs`` (random rows like x) with weight ``w``."""
     if not _eligible(x, weight):
         return None
     M = x.shape[0]
     if interpreting():
-        return INTERPRETER_CONFIGS[M > 1]
-    key = (kind, _m_bucket(M), weight.shape[0], weight.shape[1], x.dtype, bias is not None, x.device)
+        return INTERPRETER_PICKS[(kind, M > 1)]
+    if M > FUSED_MAX_M:
+        return None
+    key = (kind, M, weight.shape[0], weight.shape[1], x.dtype, bias is not None, x.device)
     if key in _choices:
-        pick = _choices[key]
-        return pick if pick is None or pick.supports(M) else None
+        return _choices[key]
     if torch.cuda.is_current_stream_capturing():
         return None  # no timing inside a capture; the runner warms up every bucket eagerly first
     mode = fused_gemv_mode()
     if mode == "off" or os.environ.get("ROOFLM_GEMV", "auto") == "off":
         _choices[key] = None
         return None
-    mb = key[1]
     fused, unfused = make_calls()
-    xs = torch.randn(mb, x.shape[1], dtype=x.dtype, device=x.device)
+    xs = torch.randn(M, x.shape[1], dtype=x.dtype, device=x.device)
     copies = weight_copies(weight)
-    results: list[tuple[float, GemvConfig | None]] = []
+    results: list[tuple[float, object]] = []
     if mode == "auto":
         results.append((time_in_graph(lambda w: unfused(xs, w), copies, x.device), None))
-    for cfg in CANDIDATES:
-        if cfg.supports(mb):
-            results.append((time_in_graph(lambda w, c=cfg: fused(c, xs, w), copies, x.device), cfg))
+    for v in variants:
+        results.append((time_in_graph(lambda w, v=v: fused(v, xs, w), copies, x.device), v))
     del copies
     results.sort(key=lambda r: r[0])
     pick = results[0][1]
     if os.environ.get("ROOFLM_GEMV", "auto") == "verbose":
-        print(f"[rooflm.fused_gemv] {kind} M<={mb} N={weight.shape[0]} K={weight.shape[1]}: "
-              + ", ".join(f"{'unfused' if c is None else _short(c)}={t * 1e3:.1f}us" for t, c in results))
+        print(f"[rooflm.fused_gemv] {kind} M={M} N={weight.shape[0]} K={weight.shape[1]}: "
+              + ", ".join(f"{_name(c)}={t * 1e3:.1f}us" for t, c in results))
     _choices[key] = pick
     return pick
 
 
+def _name(v) -> str:
+    if v is None:
+        return "unfused"
+    if isinstance(v, tuple):
+        return _short(v[0]) + ("-1pass" if v[1] else "-2pass")
+    return _short(v)
+
+
+def _row_configs() -> list[GemvConfig]:
+    return [c for c in CANDIDATES if not c.use_dot and c.split_k == 1]
+
+
 def pick_rmsnorm_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      eps: float = 1e-6) -> GemvConfig | None:
-    """The configuration to run ``rmsnorm_gemv`` with for rows like x ([M, K]), or None where the unfused norm +
-    GEMV is faster (or the inputs do not suit the kernel: not CUDA, more than 16 rows, another dtype)."""
+                      eps: float = 1e-6) -> tuple[GemvConfig, bool] | None:
+    """(configuration, one_pass) to run ``rmsnorm_gemv`` with for rows like x ([M, K]), or None where the unfused
+    norm + GEMV is faster or the inputs do not suit the kernel (not CUDA, more rows than fused, another dtype)."""
 
     def make_calls():
         from rooflm.kernels.gemv import linear
@@ -175,8 +206,8 @@ def pick_rmsnorm_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         nw = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
         res = torch.randn(MAX_M, x.shape[-1], dtype=x.dtype, device=x.device)
 
-        def fused(cfg, xs, w):
-            return rmsnorm_gemv(xs, nw, eps, w, bias, cfg, res[: xs.shape[0]])
+        def fused(v, xs, w):
+            return rmsnorm_gemv(xs, nw, eps, w, bias, v[0], res[: xs.shape[0]], one_pass=v[1])
 
         def unfused(xs, w):
             h, _ = rms_norm(xs, nw, eps, res[: xs.shape[0]])
@@ -186,11 +217,12 @@ def pick_rmsnorm_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
     if x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
         return None
-    return _pick("rmsnorm", x, weight, bias, make_calls)
+    variants = [(c, one_pass) for c in _row_configs() for one_pass in (False, True)]
+    return _pick("rmsnorm", x, weight, bias, variants, make_calls)
 
 
 def pick_silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
-    """Like ``pick_rmsnorm_gemv`` for ``silu_mul_gemv`` on [gate | up] rows."""
+    """Like ``pick_rmsnorm_gemv`` for ``silu_mul_gemv`` on [gate | up] rows: a configuration or None."""
 
     def make_calls():
         from rooflm.kernels.activation import silu_and_mul
@@ -206,9 +238,9 @@ def pick_silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.
 
     if gate_up.dim() != 2 or weight.dim() != 2 or gate_up.shape[-1] != 2 * weight.shape[-1]:
         return None
-    return _pick("silu_mul", gate_up, weight, bias, make_calls)
+    return _pick("silu_mul", gate_up, weight, bias, _row_configs(), make_calls)
 
 
-def choices() -> dict[tuple, GemvConfig | None]:
-    """What was picked so far, for reports: {(kind, M bucket, N, K, dtype, has_bias, device): config or None}."""
+def choices() -> dict[tuple, object]:
+    """What was picked so far, for reports: {(kind, M, N, K, dtype, has_bias, device): the pick, None = unfused}."""
     return dict(_choices)

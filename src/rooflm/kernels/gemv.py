@@ -35,6 +35,7 @@ from rooflm.kernels._utils import interpreting
 PRO_NONE = 0  # x as it is
 PRO_RMSNORM = 1  # rms_norm(x [+ residual]) * norm_weight, in the roundings of rooflm/kernels/rmsnorm.py
 PRO_SILU_MUL = 2  # silu(gate) * up of a [gate | up] row, in the roundings of rooflm/kernels/activation.py
+PRO_RMSNORM_ONE_PASS = 3  # M == 1, one K split: sum(W * (x [+ residual]) * norm_weight) * rstd, in float32
 
 
 @triton.jit
@@ -110,7 +111,7 @@ def _gemv_kernel(
         # RMSNorm's statistic needs the whole row before the first product: every program takes it over all of K
         # (the rows come from the L2 after the first program); the programs of the first column block and first
         # K split also write the new residual stream, to a buffer no program reads.
-        first = (pid_n == 0) & (pid_k == 0)
+        first = (offs_kb * 0 + pid_n + pid_k) == 0  # as a tensor: a scalar mask is not broadcast everywhere
         if USE_DOT:
             ss = tl.zeros([16, BLOCK_K], tl.float32)
         else:
@@ -122,7 +123,7 @@ def _gemv_kernel(
                 s = _stream_row(x_ptr, r_ptr, offs_m[:, None] * stride_xm + offs_k[None, :],
                                 offs_m[:, None] * stride_rm + offs_k[None, :], pmask, HAS_RES, True)
                 if WRITE_RES:
-                    tl.store(ro_ptr + offs_m[:, None] * stride_rom + offs_k[None, :], s, mask=pmask & first)
+                    tl.store(ro_ptr + offs_m[:, None] * stride_rom + offs_k[None, :], s, mask=pmask & first[None, :])
             else:
                 pmask = offs_k < K
                 s = _stream_row(x_ptr, r_ptr, offs_k, offs_k, pmask, HAS_RES, True)
@@ -159,6 +160,33 @@ def _gemv_kernel(
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         o = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    elif PRO == 3:  # M == 1, SPLIT == 1: the statistic gathered in the same pass, 1/rms applied to the sums
+        first = (offs_kb * 0 + pid_n) == 0
+        ss = tl.zeros([BLOCK_K], tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k0 = tl.multiple_of(k0, 16)
+            offs_k = k0 + offs_kb
+            mask_k = offs_k < K
+            s = _stream_row(x_ptr, r_ptr, offs_k, offs_k, mask_k, HAS_RES, not EVEN_K)
+            if WRITE_RES:
+                tl.store(ro_ptr + offs_k, s, mask=mask_k & first)
+            sf = s.to(tl.float32)
+            ss += sf * sf
+            if EVEN_K:
+                nw = tl.load(nw_ptr + offs_k)
+                if EVEN_N:
+                    w = tl.load(w_rows + offs_k[None, :])
+                else:
+                    w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None], other=0.0)
+            else:
+                nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0)
+                w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            acc2 += w.to(tl.float32) * (sf * nw.to(tl.float32))[None, :]
+        acc = tl.sum(acc2, 1) * tl.rsqrt(tl.sum(ss, 0) / K + eps)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
     else:  # M == 1
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from rooflm.layers.custom_op import TRITON, CustomOp, OpSelection
-from rooflm.layers.linear import GEMV_MAX_ROWS, Linear
+from rooflm.layers.linear import GEMV_MAX_ROWS, Linear, fused_gemv_allowed_by_env
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -34,9 +34,9 @@ class SiluAndMulLinear(CustomOp):
     """``proj(act(gate_up))``: the down projection of a SwiGLU MLP with its activation. Built over an existing
     ``SiluAndMul`` and ``Linear``, which keep their parameters (this op registers neither).
 
-    The reference path calls the two modules in turn. The Triton path, at most 16 rows (decode), reads [gate | up]
-    inside the projection's GEMV (``rooflm.kernels.fused_gemv.silu_mul_gemv``) where that was measured faster for
-    the shape; otherwise, and above 16 rows, the two modules in turn."""
+    The reference path calls the two modules in turn. The Triton path, at decode sizes, reads [gate | up] inside the
+    projection's GEMV (``rooflm.kernels.fused_gemv.silu_mul_gemv``) where that was measured faster for the shape
+    (``pick_silu_mul_gemv``); otherwise the two modules in turn."""
 
     def __init__(self, act: CustomOp, proj: Linear) -> None:
         super().__init__()
@@ -45,8 +45,6 @@ class SiluAndMulLinear(CustomOp):
         self._parts = (act, proj)  # a plain tuple: not submodules, so no second name for their parameters
 
     def choose(self, selection: OpSelection) -> None:
-        from rooflm.layers.norm import fused_gemv_allowed_by_env
-
         super().choose(selection)
         self.fuse = self.impl == TRITON and fused_gemv_allowed_by_env()
 

@@ -9,6 +9,8 @@ inside ``linear_triton`` runs per call, since it depends on the batch.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +18,13 @@ from torch import nn
 from rooflm.layers.custom_op import CustomOp
 
 GEMV_MAX_ROWS = 16  # at most this many rows go to the GEMV kernels; a GEMM wins above
+
+
+def fused_gemv_allowed_by_env() -> bool:
+    """``ROOFLM_FUSED_GEMV=off`` keeps the fused projections of the Triton path (``RMSNormLinear``,
+    ``SiluAndMulLinear``) on their unfused pairs. Read when an op chooses its implementation; the other values
+    ("auto", "on") are read by ``rooflm.kernels.fused_gemv``."""
+    return os.environ.get("ROOFLM_FUSED_GEMV", "auto") != "off"
 
 
 def linear_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,19 +7,11 @@ add, the norm and the projection as one GEMV launch at decode sizes (``rooflm/ke
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from rooflm.layers.custom_op import TRITON, CustomOp, OpSelection
-from rooflm.layers.linear import GEMV_MAX_ROWS, Linear
-
-
-def fused_gemv_allowed_by_env() -> bool:
-    """``ROOFLM_FUSED_GEMV=off`` keeps the fused ops of the Triton path on their unfused pairs (read when an op
-    chooses its implementation; other values are checked by ``rooflm.kernels.fused_gemv``)."""
-    return os.environ.get("ROOFLM_FUSED_GEMV", "auto") != "off"
+from rooflm.layers.linear import GEMV_MAX_ROWS, Linear, fused_gemv_allowed_by_env
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,9 +61,9 @@ class RMSNormLinear(CustomOp):
     second value is x itself. Built over an existing ``RMSNorm`` and ``Linear``, which keep their parameters (and
     their names, and weight loading): this op registers neither.
 
-    The reference path calls the two modules in turn, as an unfused layer does. The Triton path, at most 16 rows
-    (decode), runs the add, the norm and the projection as one GEMV (``rooflm.kernels.fused_gemv.rmsnorm_gemv``)
-    where that was measured faster for the shape; otherwise, and above 16 rows, the two modules in turn."""
+    The reference path calls the two modules in turn, as an unfused layer does. The Triton path, at decode sizes,
+    runs the add, the norm and the projection as one GEMV (``rooflm.kernels.fused_gemv.rmsnorm_gemv``) where that
+    was measured faster for the shape (``pick_rmsnorm_gemv``); otherwise the two modules in turn."""
 
     def __init__(self, norm: RMSNorm, proj: Linear) -> None:
         super().__init__()
@@ -100,9 +92,10 @@ class RMSNormLinear(CustomOp):
             from rooflm.kernels.fused_gemv import pick_rmsnorm_gemv, rmsnorm_gemv
 
             norm, proj = self._parts
-            cfg = pick_rmsnorm_gemv(x, proj.weight, proj.bias, norm.eps)
-            if cfg is not None and (residual is None or residual.shape == x.shape):
-                return rmsnorm_gemv(x, norm.weight, norm.eps, proj.weight, proj.bias, cfg, residual)
+            pick = pick_rmsnorm_gemv(x, proj.weight, proj.bias, norm.eps)
+            if pick is not None and (residual is None or residual.shape == x.shape):
+                cfg, one_pass = pick
+                return rmsnorm_gemv(x, norm.weight, norm.eps, proj.weight, proj.bias, cfg, residual, one_pass)
         return self.forward_native(x, residual)  # the two modules, each on the path it chose
 
     def extra_repr(self) -> str:

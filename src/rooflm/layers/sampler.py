@@ -339,9 +339,10 @@ def _exponential_race(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
     return (probs / q).argmax(dim=-1)
 
 
-def sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """[N, V] penalised logits -> [N] token ids drawn for every row; only the random rows' ids are meaningful
-    (greedy rows get temperature 1 here, so nothing divides by zero, and draw no noise)."""
+def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """[N, V] penalised logits -> [N, V] the distribution random rows sample from: temperature, then min_p, then
+    top-k/top-p, renormalised (greedy rows get temperature 1 here, so nothing divides by zero). Speculative decoding's
+    rejection sampling verifies draft tokens against exactly this distribution."""
     temperature = md.temperature
     if not md.all_random:
         temperature = torch.where(temperature < SAMPLING_EPS, torch.ones_like(temperature), temperature)
@@ -350,8 +351,13 @@ def sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         x = apply_min_p(x, md.min_p)
     if md.any_top_k_top_p:
         x = apply_top_k_top_p(x, md.top_k, md.top_p)
-    probs = torch.softmax(x, dim=-1)
-    return _exponential_race(probs, md)
+    return torch.softmax(x, dim=-1)
+
+
+def sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """[N, V] penalised logits -> [N] token ids drawn for every row; only the random rows' ids are meaningful
+    (greedy rows draw no noise)."""
+    return _exponential_race(target_probs(logits, md), md)
 
 
 def gather_logprobs(

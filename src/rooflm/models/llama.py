@@ -20,11 +20,11 @@ from torch import nn
 
 from rooflm.attention.backend import AttentionMetadata
 from rooflm.config import ModelConfig
-from rooflm.layers.activation import get_gated_activation
+from rooflm.layers.activation import SiluAndMulLinear, get_gated_activation
 from rooflm.layers.attention import Attention
 from rooflm.layers.embedding import LMHead, VocabEmbedding
 from rooflm.layers.linear import Linear
-from rooflm.layers.norm import RMSNorm
+from rooflm.layers.norm import RMSNorm, RMSNormLinear
 from rooflm.layers.rotary import RotaryEmbedding
 from rooflm.models.weights import WeightTarget, load_named_weights, rows
 
@@ -62,8 +62,18 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        T = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.attend(self.qkv_proj(hidden), cos, sin, kv_cache, meta)
+
+    def attend(
+        self,
+        qkv: torch.Tensor,  # [T, q_size + 2 * kv_size]: the output of qkv_proj
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        T = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
@@ -95,9 +105,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)  # rows: [gate | up]
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
         self.act_and_mul = get_gated_activation(cfg.hidden_act)
+        # down_proj(act_and_mul(.)); on the Triton path one GEMV at decode sizes
+        self.act_down = SiluAndMulLinear(self.act_and_mul, self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))  # via [T, 2 * intermediate], [T, intermediate]
+        return self.act_down(self.gate_up_proj(x))  # via [T, 2 * intermediate]
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         size = self.intermediate_size
@@ -111,7 +123,8 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block. The residual stream travels beside the hidden states so each norm can fuse the add before it:
-    the layer returns (mlp output, residual) and the NEXT norm adds them."""
+    the layer returns (mlp output, residual) and the NEXT norm adds them. Each norm is called together with the
+    projection after it (``RMSNormLinear``), which the Triton path runs as one GEMV at decode sizes."""
 
     mlp_prefix = "mlp"  # the HF module name of the feed-forward block
 
@@ -121,6 +134,10 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = self.make_mlp(cfg)
+        self.attn_norm_qkv = RMSNormLinear(self.input_layernorm, self.self_attn.qkv_proj)
+        # a dense SwiGLU MLP starts with gate_up_proj; another feed-forward block (Mixtral's MoE) takes the norm alone
+        self.mlp_norm_gate_up = (RMSNormLinear(self.post_attention_layernorm, self.mlp.gate_up_proj)
+                                 if isinstance(self.mlp, LlamaMLP) else None)
 
     def make_mlp(self, cfg: ModelConfig) -> nn.Module:
         return LlamaMLP(cfg)
@@ -134,12 +151,11 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
+        qkv, residual = self.attn_norm_qkv(hidden, residual)  # residual None (first layer): the embeddings
+        hidden = self.self_attn.attend(qkv, cos, sin, kv_cache, meta)
+        if self.mlp_norm_gate_up is not None:
+            gate_up, residual = self.mlp_norm_gate_up(hidden, residual)
+            return self.mlp.act_down(gate_up), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

@@ -11,7 +11,7 @@ preempted (vLLM v1's ``InputBatch``). Per row:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ class CachedRequestState:
     num_tokens: int  # known tokens + tokens sampled since
     row: int
     penalties: bool
+    pending_spec: list[int] = field(default_factory=list)  # draft tokens verified by the step in flight
 
     @property
     def num_output_tokens(self) -> int:

@@ -33,14 +33,21 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 
 class StepHandle:
-    """One step's results, still on the device until ``get()``."""
+    """One step's results, still on the device until ``get()``. ``req_ids``: the sampling requests in batch order;
+    ``plain_ids`` sampled one token each (``sampled``, with logprobs when asked), ``spec_ids`` verified draft tokens
+    (``spec_tokens`` [R, K + 1] padded with -1, ``spec_accepted`` [R]); ``on_spec`` receives each verified request's
+    number of accepted draft tokens once they are on the host."""
 
-    def __init__(self, req_ids: list[str], sampled: torch.Tensor | None, lp_ids: torch.Tensor | None,
-                 lp_vals: torch.Tensor | None, want_logprobs: list[int | None],
-                 prompt_lp: list[tuple[str, list[int], int, torch.Tensor, torch.Tensor]], device: torch.device) -> None:
+    def __init__(self, req_ids: list[str], plain_ids: list[str], sampled: torch.Tensor | None,
+                 lp_ids: torch.Tensor | None, lp_vals: torch.Tensor | None, want_logprobs: list[int | None],
+                 prompt_lp: list[tuple[str, list[int], int, torch.Tensor, torch.Tensor]], device: torch.device,
+                 spec_ids: list[str] = (), spec_tokens: torch.Tensor | None = None,
+                 spec_accepted: torch.Tensor | None = None, on_spec=None) -> None:
         self.req_ids = req_ids
+        self._plain_ids = plain_ids
+        self._spec_ids = list(spec_ids)
         self._want = want_logprobs
-        self._prompt_lp = prompt_lp
+        self._on_spec = on_spec
         self._result: ModelRunnerOutput | None = None
         self._event = None
         pin = device.type == "cuda"
@@ -48,6 +55,8 @@ class StepHandle:
         self._sampled = _to_host(sampled, pin)
         self._lp_ids = _to_host(lp_ids, pin)
         self._lp_vals = _to_host(lp_vals, pin)
+        self._spec_tokens = _to_host(spec_tokens, pin)
+        self._spec_accepted = _to_host(spec_accepted, pin)
         self._plp = [(rid, pos, k, _to_host(i, pin), _to_host(v, pin)) for rid, pos, k, i, v in prompt_lp]
         if pin:
             self._event = torch.cuda.Event()
@@ -58,12 +67,22 @@ class StepHandle:
             return self._result
         if self._event is not None:
             self._event.synchronize()
-        out = ModelRunnerOutput(self.req_ids, self._sampled.tolist() if self._sampled is not None else [])
+        tokens: dict[str, list[int]] = {}
+        if self._sampled is not None:
+            tokens.update((rid, [t]) for rid, t in zip(self._plain_ids, self._sampled.tolist()))
+        if self._spec_ids:
+            accepted = self._spec_accepted.tolist()
+            for rid, row, a in zip(self._spec_ids, self._spec_tokens.tolist(), accepted):
+                tokens[rid] = row[:a + 1]
+            self._on_spec(self._spec_ids, accepted)
+        out = ModelRunnerOutput(self.req_ids, [tokens[rid] for rid in self.req_ids])
         if self._lp_ids is not None:
             dicts = logprobs_to_dicts(self._lp_ids, self._lp_vals, [k or 0 for k in self._want])
             chosen = self._lp_vals[:, 0].tolist()
-            out.logprobs = [d if k is not None else None for d, k in zip(dicts, self._want)]
-            out.sampled_logprobs = [c if k is not None else None for c, k in zip(chosen, self._want)]
+            by_id = {rid: (d if k is not None else None, c if k is not None else None)
+                     for rid, d, c, k in zip(self._plain_ids, dicts, chosen, self._want)}
+            out.logprobs = [by_id.get(rid, (None, None))[0] for rid in self.req_ids]
+            out.sampled_logprobs = [by_id.get(rid, (None, None))[1] for rid in self.req_ids]
         for rid, positions, k, ids, vals in self._plp:
             dicts = logprobs_to_dicts(ids, vals, [k] * len(positions))  # the actual prompt token always present
             out.prompt_logprobs.setdefault(rid, []).extend((p + 1, d) for p, d in zip(positions, dicts))
@@ -132,18 +151,21 @@ class ModelRunner:
         rows: list[int] = []
         dev_idx: list[int] = []  # flat positions whose token is the row's last sampled one (still on the device)
         dev_rows: list[int] = []
-        sample_idx: list[int] = []  # flat index of the last token of each sampling request
+        sample_idx: list[int] = []  # flat index of the last token of each sampling request without draft tokens
+        spec_idx: list[int] = []  # flat indices of every position of the requests verifying draft tokens
         for rid, n in out.num_scheduled_tokens.items():
             s = reqs[rid]
             start, end = s.num_computed_tokens, s.num_computed_tokens + n
             known = len(s.token_ids)
-            if start >= known:  # a decode of the token sampled last: gathered on the device
-                if n != 1:
+            spec = out.scheduled_spec_tokens.get(rid, [])
+            if start >= known:  # a decode of the token sampled last (gathered on the device), then any drafts
+                if n != 1 + len(spec):
                     raise RuntimeError(f"request {rid!r}: {n} tokens scheduled past its {known} known tokens")
                 dev_idx.append(len(input_ids))
                 dev_rows.append(s.row)
                 input_ids.append(0)
-                positions.append(start)
+                input_ids += spec
+                positions += range(start, end)
             else:
                 input_ids += s.token_ids[start:end]
                 positions += range(start, end)
@@ -151,9 +173,12 @@ class ModelRunner:
             seq_lens.append(end)
             rows.append(s.row)
             if rid in sampling:
-                if end != s.num_tokens:
+                if end != s.num_tokens + len(spec):
                     raise RuntimeError(f"request {rid!r} samples at {end} but holds {s.num_tokens} tokens")
-                sample_idx.append(len(input_ids) - 1)
+                if spec:
+                    spec_idx += range(len(input_ids) - n, len(input_ids))
+                else:
+                    sample_idx.append(len(input_ids) - 1)
             states.append(s)
         n_tok, n_seq = len(input_ids), len(states)
         table = self.batch.block_table[rows]  # [n_seq, max_blocks]
@@ -184,7 +209,7 @@ class ModelRunner:
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
         )
-        return states, ids, pos_t, meta, sample_idx, rows_t
+        return states, ids, pos_t, meta, sample_idx, spec_idx, rows_t
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -200,7 +225,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepHandle:
         self._update_states(out)
         self._copy_blocks(out.blocks_to_copy)
-        states, ids, pos, meta, sample_idx, rows_t = self._prepare(out)
+        states, ids, pos, meta, sample_idx, spec_idx, rows_t = self._prepare(out)
         graph_logits = None
         if self.graph_runner is not None and self.graph_runner.can_run(meta):
             hidden = self.graph_runner.run(ids, pos, meta)
@@ -210,27 +235,58 @@ class ModelRunner:
         prompt_lp = self._prompt_logprobs(states, out, hidden, meta)
 
         sample_set = set(out.sampling_req_ids)
-        sample_pos = [i for i, s in enumerate(states) if s.req_id in sample_set]
-        sampling = [states[i] for i in sample_pos]
+        plain_pos = [i for i, s in enumerate(states) if s.req_id in sample_set and s.req_id not in
+                     out.scheduled_spec_tokens]
+        plain = [states[i] for i in plain_pos]
+        spec = [s for s in states if s.req_id in out.scheduled_spec_tokens]
         for s in states:
             s.num_computed_tokens += out.num_scheduled_tokens[s.req_id]
-        if not sampling:
-            return StepHandle([], None, None, None, [], prompt_lp, self.device)
-        if graph_logits is not None and len(sampling) == len(states):
-            logits = graph_logits  # a decode step: one row per request, every request samples
-            rows = rows_t
-        else:
-            idx = torch.tensor(sample_idx, device=self.device)
-            logits = self.model.compute_logits(hidden[idx])  # [num_sampling, vocab] float32
-            rows = rows_t if len(sample_pos) == len(states) else rows_t[torch.tensor(sample_pos, device=self.device)]
-        md, penalty_rows, penalty_index = self._sampling_metadata(sampling, rows)
-        so = self.sampler(logits, md)
-        for st in sampling:
-            st.num_tokens += 1
-        self.batch.record_sampled(rows, so.sampled_token_ids, penalty_rows, penalty_index)
-        want = [s.params.logprobs for s in sampling]
-        return StepHandle([s.req_id for s in sampling], so.sampled_token_ids, so.logprob_token_ids, so.logprobs,
-                          want, prompt_lp, self.device)
+        req_ids = [s.req_id for s in states if s.req_id in sample_set]
+        so = None
+        if plain:
+            if graph_logits is not None and len(plain) == len(states):
+                logits = graph_logits  # a decode step: one row per request, every request samples
+                rows = rows_t
+            else:
+                logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=self.device)])
+                rows = rows_t if len(plain) == len(states) else rows_t[torch.tensor(plain_pos, device=self.device)]
+            md, penalty_rows, penalty_index = self._sampling_metadata(plain, rows)
+            so = self.sampler(logits, md)  # [num_plain, vocab] float32 logits -> one token each
+            for st in plain:
+                st.num_tokens += 1
+            self.batch.record_sampled(rows, so.sampled_token_ids, penalty_rows, penalty_index)
+        spec_out = self._verify(spec, out, hidden, spec_idx) if spec else (None, None)
+        return StepHandle(req_ids, [s.req_id for s in plain], so.sampled_token_ids if so else None,
+                          so.logprob_token_ids if so else None, so.logprobs if so else None,
+                          [s.params.logprobs for s in plain], prompt_lp, self.device,
+                          [s.req_id for s in spec], spec_out[0], spec_out[1], self._spec_verified)
+
+    def _verify(self, spec: list[CachedRequestState], out: SchedulerOutput, hidden: torch.Tensor,
+                spec_idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score every position of the requests with draft tokens and keep what the target model accepts."""
+        from rooflm.spec_decode.rejection import verify
+
+        drafts = [out.scheduled_spec_tokens[s.req_id] for s in spec]
+        logits = self.model.compute_logits(hidden[torch.tensor(spec_idx, device=self.device)])  # [S, vocab]
+        params = [s.params for s in spec for _ in range(len(out.scheduled_spec_tokens[s.req_id]) + 1)]
+        md = SamplingMetadata.from_params(params, [[]] * len(params), [[]] * len(params), [None] * len(params),
+                                          self.device)
+        greedy = [s.params.greedy or s.params.top_k == 1 for s in spec]
+        tokens, accepted = verify(logits, drafts, md, greedy, [s.generator for s in spec])
+        for s, d in zip(spec, drafts):
+            s.pending_spec = d
+        rows = torch.tensor([s.row for s in spec], device=self.device)
+        self.batch.last_token.index_copy_(0, rows, tokens.gather(1, accepted.unsqueeze(1)).squeeze(1))
+        return tokens, accepted
+
+    def _spec_verified(self, req_ids: list[str], accepted: list[int]) -> None:
+        """Host bookkeeping once verification results are read: each request kept ``a`` draft tokens and one more."""
+        for rid, a in zip(req_ids, accepted):
+            s = self.batch.reqs.get(rid)
+            if s is not None:
+                s.num_computed_tokens -= len(s.pending_spec) - a
+                s.num_tokens += a + 1
+                s.pending_spec = []
 
     def _sampling_metadata(self, sampling: list[CachedRequestState], rows: torch.Tensor):
         params = [s.params for s in sampling]

@@ -1,0 +1,47 @@
+"""``speculative_config``: which proposer, how many tokens it proposes per step, and its options."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # k: draft tokens verified per step
+    prompt_lookup_min: int = 1  # ngram: shortest n-gram matched
+    prompt_lookup_max: int = 4  # ngram: longest n-gram matched (tried first)
+    # Switch speculation off for a step when the roofline predicts no gain at the measured acceptance rate.
+    auto_disable: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method={self.method!r} is not supported: expected one of {METHODS}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"speculative_config.{name}={v!r} is invalid: expected a positive integer")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min={self.prompt_lookup_min} is larger than "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":
+        """From a dict, a JSON string (the CLI's ``--speculative-config``) or None (no speculation)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config={value!r} is not valid JSON: {e.msg}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config={value!r} is invalid: expected a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown field(s) {unknown}: accepted are {sorted(known)}")
+        return cls(**value)

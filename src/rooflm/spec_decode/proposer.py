@@ -1,0 +1,75 @@
+"""Which running requests get draft tokens this step, and whether speculation pays at all.
+
+Speculation is exact but not free: a verify step computes k + 1 tokens per request instead of one. While decode is
+memory-bound (small batches) that costs about as much as one token, and every accepted draft is a token saved; once
+the batch is large enough to be compute-bound, the extra tokens cost their full price. Before each step the engine
+asks the live roofline for the best possible time of a plain decode step and of a verify step of the running batch;
+with the acceptance rate measured so far, a chain of k drafts yields (1 - a^(k+1)) / (1 - a) tokens per verification
+(Leviathan et al. 2023, eq. 1). Drafts are proposed only when that buys more tokens per second than plain decoding.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rooflm.spec_decode.config import SpeculativeConfig
+from rooflm.spec_decode.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from rooflm.engine.request import Request
+    from rooflm.engine.stats import EngineStats
+    from rooflm.roofline.live import LiveRoofline
+
+_PRIOR_ACCEPTANCE = 0.5  # assumed before any draft was verified
+
+
+def expected_tokens(k: int, acceptance: float) -> float:
+    """Tokens per verification of k drafts when each is accepted with probability ``acceptance``."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def eligible(req: "Request") -> bool:
+    """Requests whose next token the verifier can decide: plain decodes without logprobs, penalties or min_tokens
+    bans (their sampling depends on state the draft positions would change)."""
+    p = req.params
+    return (req.num_output_placeholders == 0 and req.num_computed_tokens == req.num_tokens - 1
+            and req.num_output_tokens >= max(1, p.min_tokens) and p.logprobs is None and p.prompt_logprobs is None
+            and p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0)
+
+
+class SpeculativeProposer:
+    def __init__(self, config: SpeculativeConfig, roofline: "LiveRoofline | None", max_model_len: int) -> None:
+        self.config = config
+        self.roofline = roofline
+        self.max_model_len = max_model_len
+        self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def pays(self, decodes: list["Request"], acceptance: float) -> bool:
+        """Whether verifying k drafts per request beats plain decoding on the roofline, at this acceptance rate."""
+        if self.roofline is None or not decodes:
+            return True
+        k = self.config.num_speculative_tokens
+        ctx = [r.num_tokens for r in decodes]
+        n = len(decodes)
+        plain = self.roofline.predict([1] * n, ctx, n)
+        verify = self.roofline.predict([k + 1] * n, [c + k for c in ctx], n * (k + 1))
+        return verify / expected_tokens(k, acceptance) < plain
+
+    def propose(self, running: list["Request"], stats: "EngineStats") -> None:
+        """Set ``spec_token_ids`` on the running requests that get drafts this step."""
+        decodes = [r for r in running if eligible(r)]
+        if not decodes:
+            return
+        acceptance = stats.spec_acceptance_rate
+        if self.config.auto_disable and not self.pays(decodes, _PRIOR_ACCEPTANCE if acceptance is None else acceptance):
+            stats.spec_steps_disabled += 1
+            return
+        k = self.config.num_speculative_tokens
+        for req in decodes:
+            p = req.params
+            limit = min(k, self.max_model_len - req.num_tokens - 1)
+            if p.max_tokens is not None:
+                limit = min(limit, p.max_tokens - req.num_output_tokens - 1)
+            if limit >= 1:
+                req.spec_token_ids = self.ngram.propose(req.all_token_ids, limit)
