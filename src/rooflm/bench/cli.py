@@ -17,6 +17,7 @@ import importlib.util
 _BENCHMARKS = (
     ("latency", "rooflm.bench.latency", "latency of one batch: prefill and per-token decode time"),
     ("throughput", "rooflm.bench.throughput", "offline throughput of the engine on a batch of requests"),
+    ("spec", "rooflm.bench.speculative", "speculative decoding against plain decoding on the same prompts"),
     ("serve", "rooflm.bench.serving", "load-test an OpenAI-compatible server (TTFT, TPOT, ITL, throughput, goodput)"),
 )
 

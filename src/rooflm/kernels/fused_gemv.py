@@ -25,10 +25,16 @@
 # Which configuration runs, and whether fusing pays at all for a shape, is measured on the running device the first
 # time a shape is seen, like ``gemv.linear``: each fused candidate against the unfused pair (the elementwise kernel
 # followed by the GEMV ``gemv.linear`` picks), replayed from CUDA graphs over weight copies larger than the L2.
-# Only one-row (batch-1 decode) shapes are fused: on an H100 the flat-GEMM (tl.dot) variants with a prologue ran
-# 1.3-1.4x (norm) and 4x (SiLU) slower than the unfused pair at 2-16 rows (``python -m rooflm.kernels.bench_fused``),
-# as every column block recomputes the prologue on 16-row tiles; the kernels still take them when called directly.
-# ``ROOFLM_FUSED_GEMV=off`` keeps the unfused pair; ``on`` takes the fastest fused candidate without the comparison.
+# Measured on an H100 (Llama-2-7B shapes, ``python -m rooflm.kernels.bench_fused``), which sets the defaults:
+#   * one row: add + RMSNorm + qkv_proj one-pass 37.0-37.2 us against 38.0-38.3 us unfused (norm 1.9 + GEMV 35.4);
+#     the two-pass variant 39.0 us (its serial pass over the row delays the weight stream); before gate_up_proj
+#     fused and unfused tie (63.2-63.5 us); SiLU-and-mul + down_proj fused 36.4-36.6 us against 36.0-36.4 us
+#     unfused (whose best GEMV for that shape uses tl.dot and split-K). So "auto" times the one-pass norm variants
+#     against the unfused pair, and keeps the SiLU pair unfused without timing;
+#   * 2 to 16 rows: the flat-GEMM (tl.dot) variants with a prologue ran 1.3-1.4x (norm) and 4x (SiLU) slower than
+#     the unfused pair, as every column block recomputes the prologue on 16-row tiles: never fused by default.
+# ``ROOFLM_FUSED_GEMV=off`` keeps the unfused pairs; ``on`` takes the fastest fused candidate of every one-row shape
+# (both norm variants, and the SiLU fusion) without the comparison. Every variant stays callable directly.
 from __future__ import annotations
 
 import os
@@ -145,9 +151,10 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _pick(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, variants, make_calls):
-    """The fastest of the unfused pair (None) and every fused variant for this shape (cached). ``variants``: the
-    fused candidates (each run by ``fused(variant, xs, w)``); ``make_calls()`` returns (fused, unfused), called only
-    when a shape is timed; ``unfused(xs, w)`` runs the pair on ``xs`` (random rows like x) with weight ``w``."""
+    """The fastest of the unfused pair (None) and every fused variant for this shape (cached). ``variants(mode)``:
+    the fused candidates for ``fused_gemv_mode()`` (each run by ``fused(variant, xs, w)``); ``make_calls()`` returns
+    (fused, unfused), called only when a shape is timed; ``unfused(xs, w)`` runs the pair on ``xs`` (random rows like
+    x) with weight ``w``. Variants and calls are built only when a shape is first seen."""
     if not _eligible(x, weight):
         return None
     M = x.shape[0]
@@ -161,7 +168,8 @@ def _pick(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if torch.cuda.is_current_stream_capturing():
         return None  # no timing inside a capture; the runner warms up every bucket eagerly first
     mode = fused_gemv_mode()
-    if mode == "off" or os.environ.get("ROOFLM_GEMV", "auto") == "off":
+    candidates = variants(mode)
+    if mode == "off" or os.environ.get("ROOFLM_GEMV", "auto") == "off" or not candidates:
         _choices[key] = None
         return None
     fused, unfused = make_calls()
@@ -170,7 +178,7 @@ def _pick(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     results: list[tuple[float, object]] = []
     if mode == "auto":
         results.append((time_in_graph(lambda w: unfused(xs, w), copies, x.device), None))
-    for v in variants:
+    for v in candidates:
         results.append((time_in_graph(lambda w, v=v: fused(v, xs, w), copies, x.device), v))
     del copies
     results.sort(key=lambda r: r[0])
@@ -217,12 +225,15 @@ def pick_rmsnorm_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
     if x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
         return None
-    variants = [(c, one_pass) for c in _row_configs() for one_pass in (False, True)]
+    def variants(mode: str) -> list[tuple[GemvConfig, bool]]:  # the two-pass variant never won by default
+        return [(c, one_pass) for c in _row_configs() for one_pass in ((True, False) if mode == "on" else (True,))]
+
     return _pick("rmsnorm", x, weight, bias, variants, make_calls)
 
 
 def pick_silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
-    """Like ``pick_rmsnorm_gemv`` for ``silu_mul_gemv`` on [gate | up] rows: a configuration or None."""
+    """Like ``pick_rmsnorm_gemv`` for ``silu_mul_gemv`` on [gate | up] rows: a configuration or None (always None
+    on CUDA unless ``ROOFLM_FUSED_GEMV=on``: the fusion did not pay, see the top of this file)."""
 
     def make_calls():
         from rooflm.kernels.activation import silu_and_mul
@@ -238,7 +249,10 @@ def pick_silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.
 
     if gate_up.dim() != 2 or weight.dim() != 2 or gate_up.shape[-1] != 2 * weight.shape[-1]:
         return None
-    return _pick("silu_mul", gate_up, weight, bias, _row_configs(), make_calls)
+    def variants(mode: str) -> list[GemvConfig]:  # did not pay by default (see the top of this file)
+        return _row_configs() if mode == "on" else []
+
+    return _pick("silu_mul", gate_up, weight, bias, variants, make_calls)
 
 
 def choices() -> dict[tuple, object]:

@@ -66,9 +66,10 @@ def measure_quick(device: str, dtype: "torch.dtype | None" = None) -> Hardware:
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         dtype = torch.float16 if cuda else torch.float32
     # CUDA: 256 MiB copies and an 8192^3 matmul take milliseconds and reach the device's sustained rates; the CPU
-    # gets 32 MiB (beyond the last-level cache of common CPUs) and 256^3.
+    # gets 32 MiB (beyond the last-level cache of common CPUs) and 768^3 (tens of milliseconds: 256^3 measured a
+    # twentieth of the rate on a 2-core machine, the call overhead dominating).
     bw = measure_bandwidth(device, nbytes=(256 if cuda else 32) * 2**20, reps=5 if cuda else 3)
-    key, peak = measure_matmul_peak(device, n=8192 if cuda else 256, reps=3, dtype=dtype)
+    key, peak = measure_matmul_peak(device, n=8192 if cuda else 768, reps=3, dtype=dtype)
     if cuda:
         idx = torch.device(device).index or 0
         name, mem = torch.cuda.get_device_name(idx), float(torch.cuda.get_device_properties(idx).total_memory)

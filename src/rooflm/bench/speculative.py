@@ -1,0 +1,113 @@
+"""Speculative decoding against plain decoding, same model, prompts and machine, in one process.
+
+``rooflm bench spec --task repeat --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'``
+
+Tasks (prompts built from the public-domain text shipped with rooflm):
+- ``repeat``: an input-grounded task: the prompt gives a passage and asks for it to be repeated (prompt lookup's
+  best case, like editing, quoting or correcting a given text);
+- ``continue``: free continuation of a held-out passage (the draft can only find repetitions of the text itself).
+Each mode runs the same prompts, ``--batch-size`` at a time, greedy with EOS ignored, after one warm-up request.
+Reported: output tokens/s of both modes and their ratio, whether the greedy tokens are identical (they must be),
+the acceptance rate and mean accepted length, and the speed-up the roofline predicts for that acceptance rate (a
+verify step of k + 1 tokens per request against a plain decode step, both at the prompts' mean context).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from importlib import resources
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--task", choices=["repeat", "continue"], default="repeat")
+    p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}',
+                   help="JSON, as the engine's speculative_config")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--json", default=None, help="write every figure to this JSON file")
+
+
+def build_prompts(task: str, n: int, tokenizer) -> list[list[int]]:
+    text = (resources.files("rooflm") / "bench" / "data" / "austen_pride_and_prejudice.txt").read_text()
+    paragraphs = [p.strip().replace("\n", " ") for p in text.split("\n\n") if len(p.strip()) > 400]
+    prompts = []
+    for i in range(n):
+        passage = paragraphs[(7 * i) % len(paragraphs)][:900]
+        if task == "repeat":
+            messages = [{"role": "user", "content": f"Repeat this passage word for word:\n\n{passage}"}]
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            prompts.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+        else:
+            prompts.append(list(tokenizer(passage)["input_ids"]))
+    return prompts
+
+
+def _run_mode(args: argparse.Namespace, prompts: list[list[int]], spec: str | None) -> dict:
+    from rooflm.llm import LLM
+    from rooflm.sampling_params import SamplingParams
+
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+              speculative_config=spec, show_progress=False)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    before = llm.engine.get_stats()
+    base = (before.spec_draft_tokens, before.spec_accepted_tokens, before.spec_verifications, before.num_steps)
+    outs, t0 = [], time.perf_counter()
+    for i in range(0, len(prompts), args.batch_size):
+        outs += llm.generate(prompts[i:i + args.batch_size], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    s = llm.engine.get_stats()
+    drafts, accepted, verifications = (s.spec_draft_tokens - base[0], s.spec_accepted_tokens - base[1],
+                                       s.spec_verifications - base[2])
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    res = {"elapsed_s": elapsed, "output_tok_s": generated / elapsed, "steps": s.num_steps - base[3],
+           "tokens": [o.outputs[0].token_ids for o in outs], "draft_tokens": drafts, "accepted_tokens": accepted,
+           "acceptance_rate": accepted / drafts if drafts else None,
+           "mean_accepted_length": 1 + accepted / verifications if verifications else None,
+           "spec_steps_disabled": s.spec_steps_disabled}
+    if spec is not None and res["acceptance_rate"] is not None:
+        from rooflm.spec_decode.proposer import expected_tokens
+
+        k = llm.engine.spec_config.num_speculative_tokens
+        ctx = int(sum(len(p) for p in prompts) / len(prompts) + args.output_len / 2)
+        b = args.batch_size
+        plain = llm.engine.roofline.predict([1] * b, [ctx] * b, b)
+        verify = llm.engine.roofline.predict([k + 1] * b, [ctx + k] * b, b * (k + 1))
+        res["roofline_verify_over_decode"] = verify / plain
+        res["predicted_speedup"] = expected_tokens(k, res["acceptance_rate"]) * plain / verify
+    return res
+
+
+def run(args: argparse.Namespace) -> int:
+    from rooflm.tokenizer import load_tokenizer
+
+    if min(args.batch_size, args.num_prompts, args.output_len) < 1:
+        raise ValueError("--batch-size, --num-prompts and --output-len must be >= 1")
+    tokenizer = load_tokenizer(args.model)
+    prompts = build_prompts(args.task, args.num_prompts, tokenizer)
+    plain = _run_mode(args, prompts, None)
+    spec = _run_mode(args, prompts, args.speculative_config)
+    res = {"task": args.task, "batch_size": args.batch_size, "num_prompts": len(prompts),
+           "output_len": args.output_len, "speculative_config": json.loads(args.speculative_config),
+           "plain": {k: v for k, v in plain.items() if k != "tokens"},
+           "speculative": {k: v for k, v in spec.items() if k != "tokens"},
+           "speedup": spec["output_tok_s"] / plain["output_tok_s"], "identical_tokens": plain["tokens"] == spec["tokens"]}
+    print(f"rooflm bench spec: task={args.task} batch={args.batch_size} prompts={len(prompts)} "
+          f"output={args.output_len} {res['speculative_config']}")
+    print(f"  plain        {plain['output_tok_s']:8.1f} tok/s  ({plain['steps']} steps)")
+    print(f"  speculative  {spec['output_tok_s']:8.1f} tok/s  ({spec['steps']} steps)   speed-up {res['speedup']:.2f}x"
+          f"   greedy tokens identical: {res['identical_tokens']}")
+    if spec["acceptance_rate"] is not None:
+        print(f"  acceptance {spec['acceptance_rate']:.1%}, mean accepted length {spec['mean_accepted_length']:.2f}; "
+              f"roofline: a verify step costs {spec['roofline_verify_over_decode']:.2f}x a decode step, predicted "
+              f"speed-up {spec['predicted_speedup']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0 if res["identical_tokens"] else 1
