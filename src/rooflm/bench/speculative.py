@@ -3,8 +3,8 @@
 ``rooflm bench spec --task repeat --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'``
 
 Tasks (prompts built from the public-domain text shipped with rooflm):
-- ``repeat``: an input-grounded task: the prompt gives a passage and asks for it to be repeated (prompt lookup's
-  best case, like editing, quoting or correcting a given text);
+- ``repeat``: an input-grounded task: the prompt gives a passage, then asks for it again and starts the copy (prompt
+  lookup's best case, like editing, quoting or correcting a given text);
 - ``continue``: free continuation of a held-out passage (the draft can only find repetitions of the text itself).
 Each mode runs the same prompts, ``--batch-size`` at a time, greedy with EOS ignored, after one warm-up request.
 Reported: output tokens/s of both modes and their ratio, whether the greedy tokens are identical (they must be),
@@ -31,6 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
+    p.add_argument("--verify-cost", action="store_true",
+                   help="instead: time verify steps of k+1 tokens against a decode step (see --verify-batch-sizes)")
+    p.add_argument("--verify-batch-sizes", default="1,64", help="with --verify-cost (comma list)")
+    p.add_argument("--verify-context", type=int, default=1024, help="with --verify-cost: context tokens")
 
 
 def build_prompts(task: str, n: int, tokenizer) -> list[list[int]]:
@@ -40,9 +44,9 @@ def build_prompts(task: str, n: int, tokenizer) -> list[list[int]]:
     for i in range(n):
         passage = paragraphs[(7 * i) % len(paragraphs)][:900]
         if task == "repeat":
-            messages = [{"role": "user", "content": f"Repeat this passage word for word:\n\n{passage}"}]
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            prompts.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+            # The passage, a heading asking for it again, and its first words: the continuation is a copy.
+            text = f"{passage}\n\nThe same passage, repeated word for word:\n\n{passage[:40]}"
+            prompts.append(list(tokenizer(text)["input_ids"]))
         else:
             prompts.append(list(tokenizer(passage)["input_ids"]))
     return prompts
@@ -89,6 +93,17 @@ def run(args: argparse.Namespace) -> int:
 
     if min(args.batch_size, args.num_prompts, args.output_len) < 1:
         raise ValueError("--batch-size, --num-prompts and --output-len must be >= 1")
+    if args.verify_cost:
+        try:
+            batches = [int(x) for x in args.verify_batch_sizes.split(",")]
+        except ValueError:
+            raise ValueError(f"--verify-batch-sizes={args.verify_batch_sizes!r}: expected a comma list of integers")
+        print(f"rooflm bench spec --verify-cost: {args.model or 'default model'}, context {args.verify_context}")
+        rows = verify_cost(args.model, args.load_format, args.dtype, batches, args.verify_context, list(range(1, 9)))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     tokenizer = load_tokenizer(args.model)
     prompts = build_prompts(args.task, args.num_prompts, tokenizer)
     plain = _run_mode(args, prompts, None)
@@ -111,3 +126,59 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
     return 0 if res["identical_tokens"] else 1
+
+
+def verify_cost(model_name: str, load_format: str, dtype: str, batch_sizes: list[int], context: int,
+                ks: list[int]) -> list[dict]:
+    """The cost of a verify step of k + 1 tokens per request over a plain decode step (k = 0), at ``context`` tokens
+    of context, each timed as one eager forward pass plus the LM head on every scored position (CUDA events on a GPU),
+    beside the live roofline's prediction for the same steps."""
+    import torch
+
+    from rooflm.attention.metadata_utils import build_attention_metadata
+    from rooflm.llm import LLM
+
+    llm = LLM(model_name, load_format=load_format, dtype=dtype, enforce_eager=True, show_progress=False,
+              max_model_len=context + max(ks) + 1, kv_cache_memory=None if torch.cuda.is_available() else 2**30)
+    engine = llm.engine
+    model, runner, bs = engine.model, engine.runner, engine.config.block_size
+    cuda = engine.device.type == "cuda"
+    rows = []
+    for b in batch_sizes:
+        blocks_per_seq = -(-(context + max(ks) + 1) // bs)
+        if b * blocks_per_seq > runner.num_blocks:
+            continue
+        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(b)]
+        times = {}
+        for k in [0] + ks:
+            meta, pos = build_attention_metadata(tables, [context] * b, [k + 1] * b, bs, engine.device)
+            ids = torch.randint(0, engine.model_config.vocab_size, (b * (k + 1),), device=engine.device)
+
+            def step():
+                with torch.inference_mode():
+                    return model.compute_logits(model(ids, pos, runner.kv_caches, meta))
+
+            for _ in range(2):
+                step()
+            samples = []
+            for _ in range(5):
+                if cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    step()
+                    end.record()
+                    end.synchronize()
+                    samples.append(start.elapsed_time(end) / 1e3)
+                else:
+                    t0 = time.perf_counter()
+                    step()
+                    samples.append(time.perf_counter() - t0)
+            times[k] = sorted(samples)[len(samples) // 2]
+        for k in ks:
+            predicted = (engine.roofline.predict([k + 1] * b, [context + k + 1] * b, b * (k + 1))
+                         / engine.roofline.predict([1] * b, [context + 1] * b, b))
+            rows.append({"batch": b, "k": k, "decode_s": times[0], "verify_s": times[k],
+                         "measured_ratio": times[k] / times[0], "roofline_ratio": predicted})
+            print(f"  batch {b:3d}  k={k}: verify {times[k] * 1e3:8.3f} ms / decode {times[0] * 1e3:8.3f} ms = "
+                  f"{times[k] / times[0]:.3f}  (roofline {predicted:.3f})")
+    return rows

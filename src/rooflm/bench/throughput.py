@@ -32,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gib", type=float, default=None,
                    help="KV pool size (default: what --max-num-seqs requests need, plus 10%%)")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--speculative-config", default=None, help="JSON, as the engine's speculative_config")
     p.add_argument("--async-scheduling", default=None, choices=["on", "off"],
                    help="schedule step N+1 while step N runs (default: on for CUDA, off on the CPU)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
@@ -64,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
               max_model_len=L_in + L_out, kv_cache_memory=kv_bytes, max_num_seqs=seqs,
               max_num_batched_tokens=max(args.max_num_batched_tokens, L_in), enable_prefix_caching=False,
               enforce_eager=args.enforce_eager, async_scheduling=_async_flag(args),
-        attention_backend=args.attention_backend, seed=args.seed,
+              speculative_config=args.speculative_config,
+              attention_backend=args.attention_backend, seed=args.seed,
               show_progress=False)
     init_s = time.perf_counter() - t0
     engine = llm.engine
