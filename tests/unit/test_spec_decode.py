@@ -190,3 +190,18 @@ def test_accepted_tokens_after_a_stop_are_dropped():
     outs = s.update_from_output(out := s.schedule(), ModelRunnerOutput(["a"], [[22, 23, 24, 25]]))
     assert outs[0].new_token_ids == [22, 23] and outs[0].finish_reason == "stop" and outs[0].stop_reason == 23
     assert not s.has_unfinished() and s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_incremental_index_matches_a_fresh_search():
+    """The per-request index, extended token by token, proposes what a fresh index over the whole text does."""
+    import random
+
+    rng = random.Random(0)
+    tokens: list[int] = []
+    p = NgramProposer(3, min_n=2, max_n=4)
+    for _ in range(300):
+        tokens.append(rng.choice([1, 2, 3, 4, 5]))  # a small vocabulary: many repeats
+        got = p.propose(tokens, req_id="r")
+        assert got == NgramProposer(3, min_n=2, max_n=4).propose(list(tokens))
+    p.retain(set())
+    assert p.propose([9, 9, 9], req_id="r") == [9]  # a forgotten request starts a fresh index

@@ -12,7 +12,9 @@ METHODS = ("ngram",)
 class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 4  # k: draft tokens verified per step
-    prompt_lookup_min: int = 1  # ngram: shortest n-gram matched
+    # ngram: shortest n-gram matched. 2, not 1: a single repeated token is too often chance (a 1-gram match on
+    # unrelated text proposes drafts that are almost never accepted, and costs a verify step).
+    prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4  # ngram: longest n-gram matched (tried first)
     # Switch speculation off for a step when the roofline predicts no gain at the measured acceptance rate.
     auto_disable: bool = True

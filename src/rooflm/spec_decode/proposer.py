@@ -58,6 +58,7 @@ class SpeculativeProposer:
 
     def propose(self, running: list["Request"], stats: "EngineStats") -> None:
         """Set ``spec_token_ids`` on the running requests that get drafts this step."""
+        self.ngram.retain({r.request_id for r in running})
         decodes = [r for r in running if eligible(r)]
         if not decodes:
             return
@@ -72,4 +73,4 @@ class SpeculativeProposer:
             if p.max_tokens is not None:
                 limit = min(limit, p.max_tokens - req.num_output_tokens - 1)
             if limit >= 1:
-                req.spec_token_ids = self.ngram.propose(req.all_token_ids, limit)
+                req.spec_token_ids = self.ngram.propose(req.all_token_ids, limit, req.request_id)
