@@ -83,7 +83,8 @@ def test_lm_eval_local_completions_matches_transformers(real_server: ServerProce
             assert resp[0][0] == pytest.approx(expected, abs=TOLERANCE), (context, continuation)
 
     (rolling,) = results["samples"]["rooflm_rolling"]
-    eot = tok(tok.eos_token, add_special_tokens=False)["input_ids"][0]
+    # the harness's prefix for the first window: BOS when the tokenizer has one, else EOS
+    eot = tok(tok.bos_token or tok.eos_token, add_special_tokens=False)["input_ids"][0]
     windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
         token_list=encode(TEXT), prefix_token=eot, max_seq_len=MAX_LENGTH - 2, context_len=1)]
     assert len(windows) >= 2  # the text spans several windows
