@@ -63,11 +63,11 @@ def test_union_fields_report_the_violated_limit(shared_fake_server: FakeServer):
         err = assert_error(c.post("/v1/completions", json={**COMPLETION, "stop": ["x"] * (MAX_STOP + 1)}), 400, "stop")
         assert f"at most {MAX_STOP}" in err["message"] and "valid string" not in err["message"]
         err = assert_error(c.post("/v1/completions", json={**COMPLETION, "stop": ["a", ""]}), 400, "stop")
-        assert "at least 1" in err["message"] and "valid" not in err["message"]
+        assert "at least 1" in err["message"] and "valid string" not in err["message"]
         err = assert_error(c.post("/v1/completions", json={"prompt": [5, -1]}), 400, "prompt")
         assert "greater than or equal to 0" in err["message"]
         err = assert_error(c.post("/v1/completions", json={"prompt": ["ok", ""]}), 400, "prompt")
-        assert "at least 1" in err["message"] and "valid" not in err["message"]
+        assert "at least 1" in err["message"] and "valid string" not in err["message"]
         err = assert_error(c.post("/v1/chat/completions", json={"messages": [
             {"role": "user", "content": [{"type": "text", "text": "a"}] * 300}]}), 400, "messages")
         assert "at most 256" in err["message"]
