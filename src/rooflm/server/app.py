@@ -105,7 +105,7 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, served_mode
         yield
         serving.close()
         if shutdown_engine:  # after uvicorn drained the in-flight requests (graceful shutdown)
-            await asyncio.to_thread(engine.shutdown)
+            await asyncio.to_thread(engine.shutdown, 0.0 if serving.stop_now else 10.0)
 
     app = FastAPI(title="rooflm", summary="OpenAI-compatible API of the rooflm engine", lifespan=lifespan)
     serving = OpenAIServing(engine, model_name, metrics, prep_workers=prep_workers)

@@ -94,8 +94,8 @@ class _Server(uvicorn.Server):
                 await asyncio.sleep(0.05)
             for task in self.server_state.tasks:
                 task.cancel()
-        if not self.force_exit:
-            await self.lifespan.shutdown()
+        self.serving.stop_now = self.force_exit  # the lifespan then does not wait for the engine thread
+        await self.lifespan.shutdown()
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

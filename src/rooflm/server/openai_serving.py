@@ -71,6 +71,7 @@ class OpenAIServing(_RequestPreparation, _ResponseRendering):
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
         self._cut = asyncio.Event()
+        self.stop_now = False  # set by the launcher on a forced stop: shutdown does not wait for the engine
 
     @property
     def tokenizer(self) -> Any:
