@@ -409,7 +409,7 @@ def parse_body(model: type[_T], raw: bytes) -> _T:
 
     try:  # the standard parser, as FastAPI's: lone surrogates then reach validation, which names the field
         data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError; RecursionError: nested too deep
         where = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "input": None,
                                        "msg": f"{getattr(e, 'msg', e)}{where}"}]) from None
