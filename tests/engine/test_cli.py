@@ -104,3 +104,14 @@ def test_bad_threads_value_is_one_line(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--threads" in err
+
+
+def test_version(capsys):
+    import importlib.metadata
+
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"rooflm {importlib.metadata.version('rooflm')}"
