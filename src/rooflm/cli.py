@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import typing
 
 _COMMAND_MODULES = (
     "rooflm.entrypoints.cli",  # generate, chat, demo
@@ -15,8 +16,25 @@ _COMMAND_MODULES = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad value is one line naming the flag and the value, then exit 2 (no usage block to scroll past)."""
+
+    def error(self, message: str) -> "typing.NoReturn":
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rooflm")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rooflm", description="An LLM inference engine that knows its roofline.")
+    parser = _Parser(prog="rooflm", description="An LLM inference engine that knows its roofline.")
+    parser.add_argument("--version", action="version", version=f"rooflm {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         try:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 # A temperature below this is treated as greedy (dividing logits by it would overflow float32).
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range of logit_bias values
 
 
 def _fail(name: str, value: object, accepted: str) -> None:
@@ -46,6 +47,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token (the chosen token always included)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # {token_id: bias} added to the logits before penalties and sampling (OpenAI's logit_bias); the reported
+    # logprobs stay those of the model. Normalised to a dict of int -> float.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         # Container types are checked before normalising, so a bad type is a ValueError, not a TypeError.
@@ -63,6 +67,11 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
         else:
             _fail("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                _fail("logit_bias", self.logit_bias, f"None or a dict of token id -> bias in [{-MAX_LOGIT_BIAS:g}, "
+                      f"{MAX_LOGIT_BIAS:g}]")
+            self.logit_bias = dict(self.logit_bias) or None
         if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -100,6 +109,10 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 _fail(name, v, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        for tid, bias in (self.logit_bias or {}).items():
+            if not _is_int(tid) or tid < 0 or not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                _fail("logit_bias", {tid: bias}, f"token ids >= 0 mapped to biases in [{-MAX_LOGIT_BIAS:g}, "
+                      f"{MAX_LOGIT_BIAS:g}]")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             v = getattr(self, name)
             if not isinstance(v, bool):

@@ -33,3 +33,85 @@ def test_bad_sampling_value_is_one_clear_line(capsys):
     assert main(["generate", "--top-p", "1.5", "hello"]) == 2
     err = capsys.readouterr().err.strip()
     assert "top_p=1.5" in err and "(0, 1]" in err
+
+
+def _sigint_on_step(monkeypatch, at_step: int) -> list[int]:
+    """Make the engine's ``at_step``-th step (counted from 1) deliver a SIGINT to this process, as a Ctrl-C would."""
+    import signal
+
+    from rooflm.engine.engine import LLMEngine
+
+    calls = [0]
+    original = LLMEngine.step
+
+    def step(self):
+        calls[0] += 1
+        if calls[0] == at_step:
+            signal.raise_signal(signal.SIGINT)
+        return original(self)
+
+    monkeypatch.setattr(LLMEngine, "step", step)
+    return calls
+
+
+def test_generate_prints_llama_cpp_style_timings(capsys):
+    assert main(["generate", *SMALL, "The capital of France is"]) == 0
+    err = capsys.readouterr().err
+    assert "prompt eval time =" in err and "eval time =" in err and "tokens per second" in err
+    assert "/     4 tokens" in err  # 5 generated: the first comes with the prompt evaluation
+
+
+def test_ctrl_c_in_generate_prints_what_was_generated(capsys, monkeypatch):
+    calls = _sigint_on_step(monkeypatch, 3)
+    assert main(["generate", "--kv-cache-memory", "16M", "--show-progress", "false", "--max-tokens", "50",
+                 "Once upon a time"]) == 130
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "(interrupted, " in out[0]
+    generated = int(out[0].rsplit("(interrupted, ", 1)[1].split()[0])
+    assert 0 < generated < 50 and calls[0] < 50
+
+
+def test_ctrl_c_in_chat_stops_the_answer_not_the_session(capsys, monkeypatch):
+    _sigint_on_step(monkeypatch, 2)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Tell me a long story.\nName a fruit.\n/exit\n"))
+    assert main(["chat", "--kv-cache-memory", "16M", "--show-progress", "false", "--max-tokens", "40",
+                 "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("model> ") == 2 and out.count("[stopped]") == 1
+
+
+def test_threads_follow_the_cpus_this_process_may_use(monkeypatch):
+    import os
+
+    import torch
+
+    from rooflm.entrypoints.args import available_cpus, set_compute_threads
+
+    before = torch.get_num_threads()
+    try:
+        assert available_cpus() == len(os.sched_getaffinity(0))
+        assert set_compute_threads(None) == available_cpus() == torch.get_num_threads()
+        assert set_compute_threads(1) == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bad_threads_value_is_one_line(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--threads", "0", "hi"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--threads" in err
+
+
+def test_version(capsys):
+    import importlib.metadata
+
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"rooflm {importlib.metadata.version('rooflm')}"

@@ -36,7 +36,7 @@ SERVE_CMD = [sys.executable, "-m", "rooflm.cli", "serve"]
 # In-process server (fake engine)
 # ---------------------------------------------------------------------------------------------------------------------
 class InProcessServer:
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, **uvicorn_kw: Any) -> None:
         import uvicorn
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # see launcher.bind_socket
@@ -44,7 +44,7 @@ class InProcessServer:
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=5))
+                                                    timeout_graceful_shutdown=5, **uvicorn_kw))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def start(self) -> "InProcessServer":
@@ -64,19 +64,23 @@ class InProcessServer:
 
 class FakeServer:
     def __init__(self, api_key: str | None = API_KEY, max_waiting: int | None = 64, step_delay: float = 0.002,
-                 config: FakeConfig | None = None) -> None:
+                 config: FakeConfig | None = None, tokenizer: Any = None, app_kw: dict[str, Any] | None = None,
+                 uvicorn_kw: dict[str, Any] | None = None) -> None:
         from rooflm.engine.async_engine import AsyncLLMEngine
         from rooflm.server.app import build_app
 
         self.fake = FakeEngine(config or FakeConfig(max_model_len=128, max_num_seqs=8), step_delay=step_delay)
+        if tokenizer is not None:
+            self.fake.tokenizer = tokenizer
         self.engine = AsyncLLMEngine(self.fake, max_waiting=max_waiting)
-        self.app = build_app(self.engine, api_key=api_key)
-        self.http = InProcessServer(self.app)
+        self.app = build_app(self.engine, api_key=api_key, **(app_kw or {}))
+        self.http = InProcessServer(self.app, **(uvicorn_kw or {}))
         self.url = self.http.url
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def client(self, **kw: Any) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers=self.headers, timeout=30, **kw)
+        kw.setdefault("timeout", 30)
+        return httpx.Client(base_url=self.url, headers=self.headers, **kw)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

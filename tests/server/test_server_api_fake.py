@@ -289,7 +289,9 @@ def test_empty_or_invalid_messages_are_400(shared_fake_server: FakeServer):
 
 def test_unsupported_and_inconsistent_options_are_400(shared_fake_server: FakeServer):
     with shared_fake_server.client() as c:
-        assert_error(c.post("/v1/completions", json={"prompt": "x", "logit_bias": {"1": 2}}), 400, "logit_bias")
+        assert_error(c.post("/v1/completions", json={"prompt": "x", "logit_bias": {"one": 2}}), 400, "logit_bias")
+        assert_error(c.post("/v1/completions", json={"prompt": "x", "logit_bias": {"999999": 2}}), 400, "logit_bias")
+        assert_error(c.post("/v1/completions", json={"prompt": "x", "logit_bias": {"5": 101}}), 400, "logit_bias")
         assert_error(c.post("/v1/completions", json={"prompt": "x", "stream_options": {"include_usage": True}}),
                      400, "stream_options")
         assert_error(c.post("/v1/completions", json={"prompt": "x", "best_of": 3}), 400, "best_of")
@@ -330,12 +332,13 @@ def test_full_waiting_queue_is_503_at_once():
     server = FakeServer(max_waiting=0, step_delay=0, config=None)
     server.fake.config.max_num_seqs = 1
     server.engine.max_num_seqs = 1
-    server.fake.hold()
-    server.fake.allow(1)
+    server.fake.hold()  # no step generates before the request is in (an idle step would use up the permit)
     server.http.start()
     try:
         with server.client() as c:
             with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 100, "stream": True}) as r:
+                assert server.fake.wait_until(lambda: len(server.fake.added) == 1)
+                server.fake.allow(1)
                 next(line for line in r.iter_lines() if line.startswith("data: "))
                 r2 = c.post("/v1/completions", json={"prompt": "y", "max_tokens": 2})
                 err = assert_error(r2, 503)

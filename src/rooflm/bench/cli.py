@@ -6,12 +6,44 @@
 
 Each benchmark module exposes ``add_arguments(parser)`` and ``run(args) -> int``; it is imported when its
 sub-command runs, except that its ``add_arguments`` is needed to build the parser.
+
+Defaults of the offline benchmarks depend on the machine: with a CUDA GPU, Llama-2-7B shapes with random fp16
+weights (a model that fills a GPU); without one, the embedded SmolLM2-135M-Instruct in float32 with short
+sequences, because 14 GB of random fp16 weights on a CPU take minutes to build and run for a figure of no use.
+Options given on the command line always win.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import importlib.util
+from typing import Any, Callable
+
+_MACHINE_DEFAULTS = ("model", "load_format", "dtype", "input_len", "output_len")
+_GPU_DEFAULTS = {"model": "llama-2-7b", "load_format": "dummy", "dtype": "float16"}
+_CPU_DEFAULTS = {"load_format": "auto", "dtype": "float32", "input_len": 128, "output_len": 32}
+
+
+def machine_defaults(has_gpu: bool) -> dict[str, Any]:
+    """The offline benchmarks' defaults on this kind of machine (model None: the embedded default model)."""
+    if has_gpu:
+        return dict(_GPU_DEFAULTS)
+    from rooflm.loader.default_model import default_model_path
+
+    return {"model": default_model_path(), **_CPU_DEFAULTS}
+
+
+def _with_machine_defaults(run: Callable[[argparse.Namespace], int], module_defaults: dict[str, Any]):
+    def wrapped(args: argparse.Namespace) -> int:
+        import torch
+
+        chosen = machine_defaults(torch.cuda.is_available())
+        for name in _MACHINE_DEFAULTS:
+            if getattr(args, name, "missing") is None:  # not given on the command line
+                setattr(args, name, chosen.get(name, module_defaults.get(name)))
+        return run(args)
+
+    return wrapped
 
 # (sub-command, module, help)
 _BENCHMARKS = (
@@ -40,5 +72,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip().split("\n\n")[0])
         module.add_arguments(p)
-        p.set_defaults(func=module.run)
+        if name == "serve":
+            p.set_defaults(func=module.run)
+            continue
+        module_defaults = {k: p.get_default(k) for k in _MACHINE_DEFAULTS if p.get_default(k) is not None}
+        p.set_defaults(**{k: None for k in module_defaults}, func=_with_machine_defaults(module.run, module_defaults))
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import typing
 
 _HELP = {
@@ -55,13 +56,47 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
             parser.add_argument(flag, type=kind, default=default, help=help_text)
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: taskset, cgroup cpusets), not the machine's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _threads(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of threads (an integer >= 1)")
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     from rooflm.config import EngineConfig
 
     add_dataclass_args(parser, EngineConfig)
+    parser.add_argument("--threads", type=_threads, default=None,
+                        help="CPU compute threads (default: the CPUs this process may use, "
+                             f"{available_cpus()} here)")
+
+
+def set_compute_threads(threads: int | None) -> int:
+    """Size torch's intra-op pool: ``threads``, or the CPUs this process may use. torch's own default counts the
+    machine's cores, which oversubscribes a process confined to fewer (a container, taskset) and makes the
+    threads wait on each other at every operator."""
+    import torch
+
+    n = threads or available_cpus()
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
 
 
 def engine_config_from_args(args: argparse.Namespace):
     from rooflm.config import EngineConfig
 
+    set_compute_threads(getattr(args, "threads", None))
     return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})

@@ -50,22 +50,45 @@ def _sampling_params(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace) -> int:
+    """Generate for every prompt in one batch. On a terminal the first prompt's text streams as it is generated;
+    the others (and every one when the output is a file or a pipe) print as one line each at the end. Timings go
+    to stderr. Ctrl-C stops the generation and prints what was generated (exit 130)."""
     from rooflm.entrypoints.args import engine_config_from_args
+    from rooflm.entrypoints.streaming import Timings, drive, stop_on_ctrl_c
     from rooflm.llm import LLM
 
     params = _sampling_params(args)
-    config = engine_config_from_args(args)
-    llm = LLM(**{k: v for k, v in vars(config).items()})
-    for out in llm.generate(args.prompts, params):
+    llm = LLM(**vars(engine_config_from_args(args)))
+    engine = llm.engine
+    ids = [engine.add_request(None, prompt, params) for prompt in args.prompts]
+    tty = sys.stdout.isatty() and params.n == 1
+    if tty:
+        print(args.prompts[0], end="", flush=True)
+    with stop_on_ctrl_c() as stop:
+        finals = drive(engine, ids[0] if tty else None, sys.stdout if tty else None, stop, ids)
+    if tty:
+        print(flush=True)
+    timings = Timings()
+    for i, (rid, prompt) in enumerate(zip(ids, args.prompts)):
+        out = finals.get(rid)
+        if out is None:
+            continue
+        timings.add(out)
+        if tty and i == 0:
+            continue
         for c in out.outputs:
-            tag = f"[{out.request_id}]" if params.n == 1 else f"[{out.request_id}.{c.index}]"
-            print(f"{tag} {out.prompt!r} -> {c.text!r} ({c.finish_reason}, {len(c.token_ids)} tokens)")
-    return 0
+            tag = f"[{rid}]" if params.n == 1 else f"[{rid}.{c.index}]"
+            reason = c.finish_reason if c.finish_reason not in (None, "abort") else "interrupted"
+            print(f"{tag} {prompt!r} -> {c.text!r} ({reason}, {len(c.token_ids)} tokens)")
+    print(timings.report(), file=sys.stderr, flush=True)
+    return 130 if stop.is_set() else 0
 
 
 def _chat(args: argparse.Namespace) -> int:
+    """A chat session; Ctrl-C while the model answers stops that answer (the session goes on), Ctrl-C at the prompt
+    or end of input ends the session."""
     from rooflm.entrypoints.args import engine_config_from_args
-    from rooflm.entrypoints.streaming import stream_request
+    from rooflm.entrypoints.streaming import stop_on_ctrl_c, stream_request
     from rooflm.llm import LLM
 
     params = _sampling_params(args)
@@ -86,8 +109,9 @@ def _chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": line})
         ids = llm.apply_chat_template(messages)
         print("model> ", end="", flush=True)
-        text = stream_request(llm.engine, ids, params, sys.stdout)
-        print(flush=True)
+        with stop_on_ctrl_c() as stop:
+            text = stream_request(llm.engine, ids, params, sys.stdout, stop)
+        print(" [stopped]" if stop.is_set() else "", flush=True)
         messages.append({"role": "assistant", "content": text})
     return 0
 

@@ -3,7 +3,8 @@
 One row per sequence sampled this step, rows in batch order. The order of operations is vLLM's:
 
 1. logprobs of the RAW model distribution (``log_softmax`` of the incoming logits) when any row asked for them;
-2. tokens banned for this step (``min_tokens`` not reached yet: EOS / stop_token_ids) get ``-inf``;
+2. tokens banned for this step (``min_tokens`` not reached yet: EOS / stop_token_ids) get ``-inf``, and each row's
+   ``logit_bias`` is added (OpenAI's semantics: a bias of -100 all but bans a token, +100 all but forces it);
 3. penalties: repetition (prompt + output tokens), then presence and frequency (output tokens);
 4. greedy rows (temperature 0, or top_k == 1) take the argmax;
 5. random rows: temperature, min_p, top_k, top_p (each filter sees the distribution renormalised after the
@@ -101,6 +102,8 @@ class SamplingMetadata:
     random_rows: list[int] | None = None
     any_min_p: bool = True  # some random row has min_p > 0
     any_top_k_top_p: bool = True  # some random row has top_k > 0 or top_p < 1
+    # Sparse logit biases, host lists of equal length: rows, token ids and the bias added there. None: no bias.
+    logit_bias: tuple[list[int], list[int], list[float]] | None = None
 
     def __post_init__(self) -> None:
         if self.return_logprobs is None:
@@ -197,7 +200,33 @@ class SamplingMetadata:
             random_rows=random_rows,
             any_min_p=any(params[i].min_p > 0 for i in random_rows),
             any_top_k_top_p=any(params[i].top_k > 0 or params[i].top_p < 1 for i in random_rows),
+            logit_bias=_sparse_logit_bias(params),
         )
+
+
+def _sparse_logit_bias(params: Sequence[SamplingParams]) -> tuple[list[int], list[int], list[float]] | None:
+    rows: list[int] = []
+    ids: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        for tid, bias in (p.logit_bias or {}).items():
+            rows.append(i)
+            ids.append(tid)
+            values.append(float(bias))
+    return (rows, ids, values) if rows else None
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: tuple[list[int], list[int], list[float]]) -> torch.Tensor:
+    """Add the sparse biases (host lists: rows, token ids, values) to [N, V] logits; ids outside [0, V) are skipped
+    (the server rejects them; the engine must not fail a whole step for one request's bad id)."""
+    v = logits.shape[1]
+    keep = [j for j, t in enumerate(bias[1]) if 0 <= t < v]
+    if not keep:
+        return logits
+    rows = _to_device([bias[0][j] for j in keep], torch.int64, logits.device)
+    cols = _to_device([bias[1][j] for j in keep], torch.int64, logits.device)
+    vals = _to_device([bias[2][j] for j in keep], logits.dtype, logits.device)
+    return logits.index_put((rows, cols), vals, accumulate=True)
 
 
 @dataclass
@@ -410,6 +439,8 @@ class Sampler:
 
         if md.banned_token_ids:
             logits = logits.masked_fill(token_mask(md.banned_token_ids, v, logits.device), float("-inf"))
+        if md.logit_bias is not None:
+            logits = apply_logit_bias(logits, md.logit_bias)
         if not md.no_penalties:
             logits = apply_penalties(logits, md)
 

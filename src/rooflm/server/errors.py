@@ -23,6 +23,7 @@ _TYPE_BY_STATUS = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
@@ -72,11 +73,29 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# Errors that only say "the input is not of this union member's type". For a union-typed field (``stop``: a string
+# or a list of strings) pydantic reports one error per member; the member whose type the input has reports the limit
+# actually violated ("at most 16 items"), so that error is the one to show.
+_TYPE_MISMATCH = frozenset({
+    "string_type", "int_type", "float_type", "bool_type", "list_type", "dict_type", "model_type",
+    "model_attributes_type", "none_required", "int_from_float", "string_sub_type",
+})
+
+
+def _pick_error(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    first = errors[0]
+    field = [p for p in first.get("loc", ()) if p != "body"][:1]
+    for e in errors:
+        if [p for p in e.get("loc", ()) if p != "body"][:1] == field and e.get("type") not in _TYPE_MISMATCH:
+            return e
+    return first
+
+
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+    errors = list(exc.errors())
     if not errors:
         return "invalid request body", None
-    first = errors[0]
+    first = _pick_error(errors)
     loc = [p for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('msg', '')}", None
@@ -86,6 +105,9 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     # Union members show up as type tags in loc ('list[int]'); keep field names and indices only.
     path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc
                    if isinstance(p, int) or re.fullmatch(r"[A-Za-z_]\w*", str(p)))
+    if first.get("type") == "extra_forbidden":
+        return (f"{path.lstrip('.')}: unknown field; it is not supported by this server (the accepted fields are "
+                "listed in docs/serving.md)"), param
     msg = f"{path.lstrip('.')}: {first.get('msg', 'invalid value')}"
     if "input" in first and first.get("type") != "missing":
         msg += f" (got {_short(first['input'])})"

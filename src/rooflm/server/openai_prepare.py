@@ -28,6 +28,8 @@ class _Prepared:
     logprobs: int | None  # top-k to report; None: no logprobs
     echo: bool = False
     prompt_param: str = "prompt"  # the field an engine-side ValueError about the prompt names
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field: top-k per prompt position to report
+    echo_only: bool = False  # max_tokens=0 with echo: one token is generated (the engine needs one) and dropped
 
 
 class _RequestPreparation:
@@ -38,6 +40,7 @@ class _RequestPreparation:
     tokenizer: Any
     vocab_size: int
     max_model_len: int
+    max_token_bytes: int | None  # the longest vocabulary entry in UTF-8 bytes (None: unknown)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -74,19 +77,44 @@ class _RequestPreparation:
                 f"ask for at most {room}.", param=tokens_param, code="context_length_exceeded")
         return requested
 
+    def _encode_checked(self, text: str, param: str, **kw: Any) -> list[int]:
+        """Tokenize ``text``, refusing at once (without tokenizing) a text whose UTF-8 length alone proves it is
+        over the context: no token covers more than ``max_token_bytes`` bytes, and Unicode normalisation shrinks a
+        text at most about threefold, so ``bytes / (4 * max_token_bytes)`` is a safe lower bound on its tokens."""
+        if self.max_token_bytes and len(text) >= self.max_model_len:
+            size = len(text.encode("utf-8"))
+            at_least = size // (4 * self.max_token_bytes)
+            if at_least >= self.max_model_len:
+                raise bad_request(
+                    f"This model's maximum context length is {self.max_model_len} tokens, but the text has {size} "
+                    f"bytes, at least {at_least} tokens: shorten it.", param=param, code="context_length_exceeded")
+        return list(self._require_tokenizer().encode(text, **kw))
+
+    def _logit_bias(self, body: SamplingRequest) -> dict[int, float] | None:
+        if not body.logit_bias:
+            return None
+        bias: dict[int, float] = {}
+        for key, value in body.logit_bias.items():
+            if not key.isdigit() or len(key) > 10 or int(key) >= self.vocab_size:
+                raise bad_request(f"logit_bias key {key!r} is not a token id in [0, {self.vocab_size})",
+                                  param="logit_bias")
+            bias[int(key)] = value
+        return bias
+
     def _common_checks(self, body: SamplingRequest) -> int:
         self.check_model(body.model)
         n = body.n or 1
         if n > self.engine.max_num_seqs:
             raise bad_request(f"n={n} exceeds the {self.engine.max_num_seqs} sequences the server runs at once",
                               param="n")
-        if body.logit_bias:
-            raise bad_request("logit_bias is not supported", param="logit_bias")
         if body.stream_options is not None and not body.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        if body.store:
+            raise bad_request("store=true is not supported: this server keeps no completions", param="store")
         return n
 
-    def _sampling_params(self, body: SamplingRequest, n: int, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, body: SamplingRequest, n: int, max_tokens: int, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         top_k = body.top_k or 0
         if top_k >= self.vocab_size:  # the whole vocabulary: the same as no top-k
             top_k = 0
@@ -108,7 +136,9 @@ class _RequestPreparation:
                 ignore_eos=bool(body.ignore_eos),
                 include_stop_str_in_output=bool(body.include_stop_str_in_output),
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=body.skip_special_tokens is not False,
+                logit_bias=self._logit_bias(body),
             )
         except ValueError as e:
             raise from_value_error(e, None) from None
@@ -119,8 +149,14 @@ class _RequestPreparation:
             raise bad_request(f"best_of={body.best_of} is not supported: only best_of == n ({n})", param="best_of")
         if body.suffix:
             raise bad_request("suffix is not supported", param="suffix")
-        if body.echo and body.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported", param="echo")
+        echo_only = body.max_tokens == 0
+        if echo_only and not body.echo:
+            raise bad_request("max_tokens=0 is only allowed with echo=true (to score the prompt)", param="max_tokens")
+        if echo_only and body.stream:
+            raise bad_request("max_tokens=0 is not supported with stream=true", param="max_tokens")
+        # The engine computes prompt logprobs once, with the larger k; each field reports its own top-k.
+        wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
+        engine_prompt_k = max(wanted) if wanted else None
         raw = body.prompt
         items: list[str | list[int]]
         if isinstance(raw, str):
@@ -132,7 +168,7 @@ class _RequestPreparation:
         prompts, texts, params = [], [], []
         for item in items:
             if isinstance(item, str):
-                ids = list(self._require_tokenizer().encode(item))
+                ids = self._encode_checked(item, "prompt")
                 text = item
             else:
                 self._check_ids(item, "prompt")
@@ -140,13 +176,14 @@ class _RequestPreparation:
                 text = self.tokenizer.decode(ids) if (body.echo and self.tokenizer is not None) else ""
             if not ids:
                 raise bad_request("the prompt is empty after tokenization", param="prompt")
-            max_tokens = self._max_tokens(len(ids), body.max_tokens, 16, "prompt", "max_tokens")
-            params.append(self._sampling_params(body, n, max_tokens, body.logprobs))
+            requested = 1 if echo_only else body.max_tokens
+            max_tokens = self._max_tokens(len(ids), requested, 16, "prompt", "max_tokens")
+            params.append(self._sampling_params(body, n, max_tokens, body.logprobs, engine_prompt_k))
             prompts.append(ids)
             texts.append(text)
         return _Prepared(prompts, texts, params, n, bool(body.stream),
                          bool(body.stream_options and body.stream_options.include_usage), body.logprobs,
-                         echo=bool(body.echo))
+                         echo=bool(body.echo), prompt_logprobs=body.prompt_logprobs, echo_only=echo_only)
 
     def render_chat(self, messages: list[Any], add_generation_prompt: bool) -> list[int]:
         tok = self._require_tokenizer()
@@ -162,10 +199,22 @@ class _RequestPreparation:
             raise bad_request(f"the model's chat template cannot render these messages: {e}", param="messages")
         if not isinstance(text, str):
             raise bad_request("the model's chat template did not produce text", param="messages")
-        return list(tok.encode(text, add_special_tokens=False))
+        return self._encode_checked(text, "messages", add_special_tokens=False)
+
+    def _check_chat_extras(self, body: ChatCompletionRequest) -> None:
+        """Fields accepted only where they change nothing; otherwise a 400 naming them (never silently ignored)."""
+        if body.response_format is not None and body.response_format != {"type": "text"}:
+            raise bad_request(f"response_format={body.response_format!r} is not supported: only {{'type': 'text'}} "
+                              "(structured output is not available on this server)", param="response_format")
+        if body.tools:
+            raise bad_request("tools are not supported by this server (no tool calling)", param="tools")
+        if body.tool_choice not in (None, "none", "auto"):
+            raise bad_request(f"tool_choice={body.tool_choice!r} is not supported: no tools are available",
+                              param="tool_choice")
 
     def prepare_chat(self, body: ChatCompletionRequest) -> _Prepared:
         n = self._common_checks(body)
+        self._check_chat_extras(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         ids = self.render_chat(body.messages, body.add_generation_prompt is not False)
@@ -174,9 +223,11 @@ class _RequestPreparation:
         requested, param = body.max_completion_tokens, "max_completion_tokens"
         if requested is None:
             requested, param = body.max_tokens, "max_tokens"
+        if requested == 0:
+            raise bad_request(f"{param}=0 is invalid for chat completions: expected an integer >= 1", param=param)
         max_tokens = self._max_tokens(len(ids), requested, None, "messages", param)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._sampling_params(body, n, max_tokens, logprobs)
+        params = self._sampling_params(body, n, max_tokens, logprobs, body.prompt_logprobs)
         return _Prepared([ids], [""], [params], n, bool(body.stream),
                          bool(body.stream_options and body.stream_options.include_usage), logprobs,
-                         prompt_param="messages")
+                         prompt_param="messages", prompt_logprobs=body.prompt_logprobs)

@@ -9,59 +9,92 @@ Flow of one /v1/completions or /v1/chat/completions request:
    ``data: [DONE]``. A client that goes away (stream closed, or non-streaming connection dropped) aborts its
    engine requests, which frees their KV blocks.
 
-Steps 1-2 live in ``openai_prepare`` (the ``_RequestPreparation`` mixin), the SSE plumbing in ``openai_sse``;
-this module holds ``OpenAIServing``: engine hand-off, the endpoints, response rendering and streaming.
+Steps 1-2 live in ``openai_prepare`` (the ``_RequestPreparation`` mixin), response shapes in ``openai_render``,
+the SSE plumbing in ``openai_sse``; this module holds ``OpenAIServing``: engine hand-off, the endpoints and
+streaming.
+
+Nothing slow runs on the event loop: JSON parsing, validation, tokenization and rendering of large responses run in
+a bounded pool of threads (``prep_workers``), each thread with its own copy of the tokenizer (a fast tokenizer used
+from two threads at once can fail with "Already borrowed"). So ``/health`` and every stream keep answering while a
+huge prompt is being tokenized or refused.
+
+When the server must stop before the requests finished (``--shutdown-timeout`` ran out, or a second signal),
+``cut_streams()`` ends every stream with an OpenAI-style error event and ``data: [DONE]`` and answers every waiting
+non-streaming request with a 503, so no client sees a connection cut mid-chunk.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
+import json
 import logging
-import math
+import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from rooflm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
-from rooflm.outputs import CompletionOutput, RequestOutput
+from rooflm.outputs import RequestOutput
 from rooflm.server.errors import OpenAIError, bad_request, error_body, from_value_error
 from rooflm.server.metrics import ABORTED, ERROR, SUCCESS, RequestTracker, ServerMetrics
 from rooflm.server.openai_prepare import _Prepared, _RequestPreparation
+from rooflm.server.openai_render import _ResponseRendering
 from rooflm.server.openai_sse import _DONE, _AbortingStreamingResponse, _sse
 from rooflm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger(__name__)
 
-_MIN_LOGPROB = -9999.0  # JSON has no -inf: impossible tokens report this
 _DISCONNECT_POLL_S = 0.5
+_T = TypeVar("_T")
 
 
-def _finite(x: float | None) -> float | None:
-    if x is None:
-        return None
-    if math.isnan(x) or x == -math.inf:
-        return _MIN_LOGPROB
-    return 0.0 if x == math.inf else float(x)
+class _StreamCut(Exception):
+    """The server is stopping: the stream ends with an error event."""
 
 
-class OpenAIServing(_RequestPreparation):
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics) -> None:
+class OpenAIServing(_RequestPreparation, _ResponseRendering):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics, prep_workers: int = 2) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.max_model_len = engine.max_model_len
-        # The engine thread detokenizes with its tokenizer; the event loop gets its own copy, because a fast
-        # tokenizer used from two threads at once can fail ("Already borrowed").
-        try:
-            self.tokenizer = copy.deepcopy(engine.tokenizer)
-        except Exception:
-            self.tokenizer = engine.tokenizer
+        self._engine_tokenizer = engine.tokenizer
+        self._local = threading.local()
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, prep_workers),
+                                                          thread_name_prefix="rooflm-prep")
         self.vocab_size = self._vocab_size()
+        self.max_token_bytes = self._max_token_bytes()
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
+        self._cut = asyncio.Event()
+        self.stop_now = False  # set by the launcher on a forced stop: shutdown does not wait for the engine
+
+    @property
+    def tokenizer(self) -> Any:
+        """This thread's copy of the tokenizer (the engine thread keeps the original for detokenization)."""
+        tok = getattr(self._local, "tokenizer", None)
+        if tok is None and self._engine_tokenizer is not None:
+            try:
+                tok = copy.deepcopy(self._engine_tokenizer)
+            except Exception:
+                tok = self._engine_tokenizer
+            self._local.tokenizer = tok
+        return tok
+
+    async def in_pool(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run ``fn(*args)`` on the preparation threads, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def cut_streams(self) -> None:
+        """End every stream now with an error event and [DONE]; waiting non-streaming requests get a 503."""
+        self._cut.set()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------------------------------------ facts
     def _vocab_size(self) -> int:
@@ -75,6 +108,16 @@ class OpenAIServing(_RequestPreparation):
         if getattr(model_config, "vocab_size", None):
             sizes.append(int(model_config.vocab_size))
         return min(sizes) if sizes else 2**31
+
+    def _max_token_bytes(self) -> int | None:
+        get_vocab = getattr(self._engine_tokenizer, "get_vocab", None)
+        if get_vocab is None:
+            return None
+        try:
+            pieces = get_vocab()
+        except Exception:
+            return None
+        return max((len(str(piece).encode("utf-8")) for piece in pieces), default=0) or None
 
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "rooflm",
@@ -160,12 +203,12 @@ class OpenAIServing(_RequestPreparation):
         return [f for f in finals if f is not None]
 
     # ------------------------------------------------------------------------------------------------ endpoints
-    async def create_completion(self, body: CompletionRequest, request: Request) -> Response:
-        prep = self.prepare_completion(body)
+    async def create_completion(self, raw: bytes, request: Request) -> Response:
+        prep = await self.in_pool(lambda: self.prepare_completion(parse_body(CompletionRequest, raw)))
         return await self._generate(prep, request, chat=False)
 
-    async def create_chat_completion(self, body: ChatCompletionRequest, request: Request) -> Response:
-        prep = self.prepare_chat(body)
+    async def create_chat_completion(self, raw: bytes, request: Request) -> Response:
+        prep = await self.in_pool(lambda: self.prepare_chat(parse_body(ChatCompletionRequest, raw)))
         return await self._generate(prep, request, chat=True)
 
     async def _generate(self, prep: _Prepared, request: Request, chat: bool) -> Response:
@@ -183,11 +226,16 @@ class OpenAIServing(_RequestPreparation):
             return _AbortingStreamingResponse(gen, on_close, media_type="text/event-stream",
                                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         task = asyncio.ensure_future(self._collect(streams, tracker))
+        cut = asyncio.ensure_future(self._cut.wait())
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-                if done:
+                done, _ = await asyncio.wait({task, cut}, timeout=_DISCONNECT_POLL_S,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if task in done:
                     break
+                if cut in done:
+                    raise OpenAIError(503, "the server is shutting down; the request was not finished",
+                                      code="server_shutdown")
                 if await request.is_disconnected():  # nobody will read the answer: free the engine
                     task.cancel()
                     self._abort_all(streams)
@@ -198,90 +246,44 @@ class OpenAIServing(_RequestPreparation):
             self._abort_all(streams)
             tracker.finish(ABORTED)
             raise
+        finally:
+            cut.cancel()
         try:
             finals = task.result()
         except EngineDeadError as e:
             tracker.finish(ERROR)
             raise OpenAIError(503, f"the engine stopped while generating: {e}", code="engine_unavailable") from None
         tracker.finish(SUCCESS)
-        body = self._chat_response(prep, finals, response_id, created) if chat else \
-            self._completion_response(prep, finals, response_id, created)
-        return JSONResponse(body)
+        render = self.chat_response if chat else self.completion_response
+        return JSONResponse(await self.in_pool(render, prep, finals, response_id, created))
 
-    # ------------------------------------------------------------------------------------------------ responses
-    def _usage(self, prep: _Prepared, finals: Sequence[RequestOutput | None]) -> dict[str, int]:
-        prompt = sum(len(f.prompt_token_ids) if f is not None and f.prompt_token_ids else len(p)
-                     for f, p in zip(finals, prep.prompts))
-        completion = sum(len(o.token_ids) for f in finals if f is not None for o in f.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    def _completion_logprobs(self, o: CompletionOutput, start: int, k: int, offset: int) -> dict[str, Any]:
-        tokens: list[str] = []
-        token_logprobs: list[float | None] = []
-        top: list[dict[str, float | None]] = []
-        offsets: list[int] = []
-        for pos in range(start, len(o.token_ids)):
-            tid = o.token_ids[pos]
-            d = o.logprobs[pos] if o.logprobs is not None and pos < len(o.logprobs) else {}
-            text = self.token_text(tid)
-            tokens.append(text)
-            token_logprobs.append(_finite(d.get(tid)))
-            best = sorted(d.items(), key=lambda kv: -kv[1])[:k]
-            top.append({self.token_text(t): _finite(lp) for t, lp in best})
-            offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
-
-    def _chat_logprobs(self, o: CompletionOutput, start: int, k: int) -> dict[str, Any]:
-        content = []
-        for pos in range(start, len(o.token_ids)):
-            tid = o.token_ids[pos]
-            d = o.logprobs[pos] if o.logprobs is not None and pos < len(o.logprobs) else {}
-            best = sorted(d.items(), key=lambda kv: -kv[1])[:k]
-            text = self.token_text(tid)
-            content.append({
-                "token": text, "logprob": _finite(d.get(tid, _MIN_LOGPROB)), "bytes": list(text.encode("utf-8")),
-                "top_logprobs": [{"token": self.token_text(t), "logprob": _finite(lp),
-                                  "bytes": list(self.token_text(t).encode("utf-8"))} for t, lp in best],
-            })
-        return {"content": content}
-
-    def _completion_response(self, prep: _Prepared, finals: list[RequestOutput], rid: str,
-                             created: int) -> dict[str, Any]:
-        choices = []
-        for i, final in enumerate(finals):
-            for o in final.outputs:
-                prefix = prep.prompt_texts[i] if prep.echo else ""
-                choices.append({
-                    "index": i * prep.n + o.index,
-                    "text": prefix + o.text,
-                    "logprobs": None if prep.logprobs is None else self._completion_logprobs(
-                        o, 0, prep.logprobs, len(prefix)),
-                    "finish_reason": o.finish_reason,
-                    "stop_reason": o.stop_reason,
-                })
-        choices.sort(key=lambda c: c["index"])
-        return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": choices, "usage": self._usage(prep, finals), "system_fingerprint": None}
-
-    def _chat_response(self, prep: _Prepared, finals: list[RequestOutput], rid: str, created: int) -> dict[str, Any]:
-        choices = []
-        for o in finals[0].outputs:
-            choices.append({
-                "index": o.index,
-                "message": {"role": "assistant", "content": o.text},
-                "logprobs": None if prep.logprobs is None else self._chat_logprobs(o, 0, prep.logprobs),
-                "finish_reason": o.finish_reason,
-                "stop_reason": o.stop_reason,
-            })
-        choices.sort(key=lambda c: c["index"])
-        return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": choices, "usage": self._usage(prep, finals), "system_fingerprint": None}
+    async def _until_cut(self, merged: AsyncIterator[tuple[int, RequestOutput]]
+                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """``merged``'s items until it ends, or until ``cut_streams()``: then raise ``_StreamCut``."""
+        cut = asyncio.ensure_future(self._cut.wait())
+        nxt: asyncio.Future | None = None
+        try:
+            while True:
+                nxt = asyncio.ensure_future(merged.__anext__())
+                await asyncio.wait({nxt, cut}, return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():
+                    raise _StreamCut()
+                try:
+                    item = nxt.result()
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            cut.cancel()
+            if nxt is not None and not nxt.done():  # the caller closes ``merged`` next: it must not be running
+                nxt.cancel()
+                await asyncio.gather(nxt, return_exceptions=True)
 
     async def _stream(self, prep: _Prepared, streams: list[RequestStream], tracker: RequestTracker, rid: str,
                       created: int, chat: bool) -> AsyncIterator[str]:
         """SSE body. Invariant: per choice, the concatenated deltas equal the non-streamed text, because the
-        engine's cumulative text only grows and each delta is its new suffix."""
+        engine's cumulative text only grows and each delta is its new suffix. With echo, the prompt (and its
+        logprobs) leads the first chunk of each choice."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         sent_text: dict[tuple[int, int], int] = {}  # (prompt, sample) → characters sent
         sent_tokens: dict[tuple[int, int], int] = {}  # → tokens whose logprobs were sent
@@ -302,7 +304,7 @@ class OpenAIServing(_RequestPreparation):
                 for j in range(prep.n):
                     yield chunk({"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None})
-            async for i, out in merged:
+            async for i, out in self._until_cut(merged):
                 tracker.on_output(out)
                 finals[i] = out
                 for o in out.outputs:
@@ -310,6 +312,8 @@ class OpenAIServing(_RequestPreparation):
                     if key in done:
                         continue
                     first = key not in sent_text
+                    if first and not o.token_ids and o.finish_reason is None:
+                        continue  # prompt still being computed (its logprobs are not all there yet)
                     start = sent_text.get(key, 0)
                     delta = o.text[start:] if len(o.text) >= start else ""
                     if prep.echo and first:
@@ -323,22 +327,25 @@ class OpenAIServing(_RequestPreparation):
                     if chat:
                         choice: dict[str, Any] = {
                             "index": index, "delta": {"content": delta} if delta else {},
-                            "logprobs": None if prep.logprobs is None else self._chat_logprobs(
+                            "logprobs": None if prep.logprobs is None else self.chat_logprobs(
                                 o, tok_start, prep.logprobs),
                             "finish_reason": o.finish_reason}
                     else:
-                        lp = None
-                        if prep.logprobs is not None:
-                            lp = self._completion_logprobs(o, tok_start, prep.logprobs, offsets.get(key, 0))
+                        lp = self.completion_choice_logprobs(prep, out, i, o, tok_start, offsets.get(key, 0),
+                                                             prep.echo and first)
+                        if lp is not None:
                             offsets[key] = offsets.get(key, 0) + sum(len(t) for t in lp["tokens"])
                         choice = {"index": index, "text": delta, "logprobs": lp, "finish_reason": o.finish_reason}
+                    if first and prep.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = self.vllm_prompt_logprobs(
+                            self.prompt_entries(out, prep.prompts[i]), prep.prompt_logprobs)
                     if o.finish_reason is not None:
                         choice["stop_reason"] = o.stop_reason
                         done.add(key)
                     yield chunk(choice)
             if prep.include_usage:
                 yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
-                            "usage": self._usage(prep, finals)})
+                            "usage": self.usage(prep, finals)})
             yield _DONE
             tracker.finish(SUCCESS)
         except EngineDeadError as e:
@@ -346,12 +353,23 @@ class OpenAIServing(_RequestPreparation):
             yield _sse(error_body(f"the engine stopped while generating: {e}", "service_unavailable_error",
                                   None, "engine_unavailable"))
             yield _DONE
+        except _StreamCut:
+            tracker.finish(ABORTED)
+            yield _sse(error_body("the server is shutting down; the stream was cut before the end",
+                                  "service_unavailable_error", None, "server_shutdown"))
+            yield _DONE
         finally:
-            await merged.aclose()  # aborts the engine requests still unfinished (client gone)
+            await merged.aclose()  # aborts the engine requests still unfinished (client gone, or cut)
             tracker.finish(ABORTED)  # no-op unless the client left before the end
 
     # ------------------------------------------------------------------------------------------------ tokenizer
-    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(self, raw: bytes) -> dict[str, Any]:
+        return await self.in_pool(lambda: self._tokenize(parse_body(TokenizeRequest, raw)))
+
+    async def detokenize(self, raw: bytes) -> dict[str, Any]:
+        return await self.in_pool(lambda: self._detokenize(parse_body(DetokenizeRequest, raw)))
+
+    def _tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send exactly one of prompt or messages", param="prompt")
@@ -360,11 +378,42 @@ class OpenAIServing(_RequestPreparation):
                 raise bad_request("messages must not be empty", param="messages")
             ids = self.render_chat(body.messages, body.add_generation_prompt is not False)
         else:
-            ids = list(self._require_tokenizer().encode(body.prompt, add_special_tokens=body.add_special_tokens
-                                                        is not False))
-        return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+            ids = self._encode_checked(body.prompt, "prompt", add_special_tokens=body.add_special_tokens is not False)
+        result: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+        if body.return_token_strs:
+            result["token_strs"] = list(self._require_tokenizer().convert_ids_to_tokens(ids))
+        return result
 
-    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+    def _detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
         self._check_ids(body.tokens, "tokens")
         return {"prompt": self._require_tokenizer().decode(body.tokens)}
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: what a client needs to tokenize and render chats as the server does."""
+        tok = self._require_tokenizer()
+        info: dict[str, Any] = {"tokenizer_class": type(tok).__name__, "model_max_length": self.max_model_len,
+                                "vocab_size": self.vocab_size}
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token", "chat_template", "padding_side",
+                     "truncation_side", "add_bos_token", "add_eos_token", "clean_up_tokenization_spaces"):
+            value = getattr(tok, name, None)
+            if isinstance(value, (str, bool, int)):
+                info[name] = value
+        return info
+
+
+def parse_body(model: type[_T], raw: bytes) -> _T:
+    """Validate a JSON body against ``model``; errors become the same 400 as FastAPI's (see errors.py)."""
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    try:  # the standard parser, as FastAPI's: lone surrogates then reach validation, which names the field
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError; RecursionError: nested too deep
+        where = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "input": None,
+                                       "msg": f"{getattr(e, 'msg', e)}{where}"}]) from None
+    try:
+        return model.model_validate(data)  # type: ignore[attr-defined]
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False)) from None

@@ -2,13 +2,14 @@
 
 Validation is strict (``"1"`` is not an integer, ``true`` is not a number) and rejects NaN/Infinity, so every value
 that reaches ``SamplingParams`` and the engine has the type and range the engine expects; anything else becomes a
-400 naming the field (see ``errors.py``). Unknown fields are ignored, as most OpenAI-compatible servers do.
-Ranges follow the OpenAI reference; the extras (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ...)
-use vLLM's names.
+400 naming the field (see ``errors.py``). Nothing is silently ignored: an unknown field is a 400 naming it, and
+the only accepted fields without an effect are the bookkeeping ones in ``NO_OP_FIELDS`` (listed in
+docs/serving.md). Ranges follow the OpenAI reference; the extras (``top_k``, ``min_p``, ``repetition_penalty``,
+``ignore_eos``, ``prompt_logprobs``, ...) use vLLM's names.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
@@ -16,7 +17,9 @@ MAX_N = 16  # samples per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_STOP = 16  # stop strings per request
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
-
+MAX_LOGPROBS = 20  # top-k logprobs per position (vLLM's default limit)
+# Accepted and without effect on the output: bookkeeping fields of the OpenAI API.
+NO_OP_FIELDS = ("user", "metadata", "store", "service_tier")
 
 
 def _valid_unicode(text: str) -> str:
@@ -36,7 +39,7 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
 
 class StreamOptions(_Strict):
@@ -47,7 +50,7 @@ class SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: Text | None = None  # None: the served model
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo (completions)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int | None = Field(default=1, ge=1, le=MAX_N)
@@ -55,10 +58,14 @@ class SamplingRequest(_Strict):
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=0.0, ge=-2, le=2)
-    logit_bias: dict[Text, float] | None = None  # only empty / null is supported
+    logit_bias: Annotated[dict[Text, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=1024)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # no-op bookkeeping fields (NO_OP_FIELDS)
     user: Text | None = None
+    metadata: dict[Text, Text] | None = None
+    store: bool | None = None
+    service_tier: Text | None = None
     # extras, vLLM's names
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
@@ -68,6 +75,7 @@ class SamplingRequest(_Strict):
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(max_length=MAX_STOP)] | None = None
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 class CompletionRequest(SamplingRequest):
@@ -78,7 +86,7 @@ class CompletionRequest(SamplingRequest):
         | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     )
     echo: bool | None = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # only best_of == n is supported
     suffix: Text | None = None  # only empty / null is supported
 
@@ -105,8 +113,13 @@ class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool | None = True  # extra: vLLM's name
+    # Accepted only where they change nothing (plain text, no tools); anything else is a 400 naming the field.
+    response_format: dict[Text, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Text | dict[Text, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -115,6 +128,7 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = True
     add_generation_prompt: bool | None = True
+    return_token_strs: bool | None = False  # vLLM's extra: the token strings too
 
 
 class DetokenizeRequest(_Strict):

@@ -1,0 +1,82 @@
+"""No silent ignoring: every request field either takes effect or is a 400 naming it; the accepted no-op fields are
+exactly the documented bookkeeping ones; union-typed fields report the limit actually violated."""
+from __future__ import annotations
+
+import pytest
+from server_helpers import FakeServer
+from test_server_api_fake import assert_error
+
+from rooflm.server.protocol import MAX_STOP, NO_OP_FIELDS
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"prompt": "hi", "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path,base", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+@pytest.mark.parametrize("field", ["frobnicate", "functions", "function_call", "modalities", "audio", "prediction"])
+def test_unknown_fields_are_400_naming_them(shared_fake_server: FakeServer, path, base, field):
+    with shared_fake_server.client() as c:
+        err = assert_error(c.post(path, json={**base, field: 1}), 400, field)
+    assert "unknown field" in err["message"] and field in err["message"]
+
+
+def test_chat_only_and_completion_only_fields_are_400_on_the_other_endpoint(shared_fake_server: FakeServer):
+    with shared_fake_server.client() as c:
+        assert_error(c.post("/v1/chat/completions", json={**CHAT, "echo": True}), 400, "echo")
+        assert_error(c.post("/v1/chat/completions", json={**CHAT, "suffix": "x"}), 400, "suffix")
+        assert_error(c.post("/v1/completions", json={**COMPLETION, "messages": []}), 400, "messages")
+        assert_error(c.post("/v1/completions", json={**COMPLETION, "response_format": {"type": "text"}}),
+                     400, "response_format")
+        bad_message = {"messages": [{"role": "assistant", "content": "x", "tool_calls": []}]}
+        assert_error(c.post("/v1/chat/completions", json=bad_message), 400, "messages")
+
+
+def test_documented_no_op_fields_are_accepted(shared_fake_server: FakeServer):
+    values = {"user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto"}
+    assert set(values) == set(NO_OP_FIELDS)
+    with shared_fake_server.client() as c:
+        plain = c.post("/v1/completions", json={**COMPLETION, "temperature": 0}).json()["choices"][0]["text"]
+        for path, base in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+            r = c.post(path, json={**base, "temperature": 0, **values})
+            assert r.status_code == 200, r.text
+        same = c.post("/v1/completions", json={**COMPLETION, "temperature": 0, **values}).json()
+        assert same["choices"][0]["text"] == plain
+        assert_error(c.post("/v1/completions", json={**COMPLETION, "store": True}), 400, "store")
+
+
+def test_features_this_server_lacks_are_400_not_ignored(shared_fake_server: FakeServer):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with shared_fake_server.client() as c:
+        for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
+            assert_error(c.post("/v1/chat/completions", json={**CHAT, "response_format": fmt}), 400,
+                         "response_format")
+        assert_error(c.post("/v1/chat/completions", json={**CHAT, "tools": [tool]}), 400, "tools")
+        assert_error(c.post("/v1/chat/completions", json={**CHAT, "tool_choice": "required"}), 400, "tool_choice")
+        for ok in ({"response_format": {"type": "text"}}, {"tool_choice": "none"}, {"tools": []},
+                   {"parallel_tool_calls": False}):
+            r = c.post("/v1/chat/completions", json={**CHAT, **ok})
+            assert r.status_code == 200, (ok, r.text)
+
+
+def test_union_fields_report_the_violated_limit(shared_fake_server: FakeServer):
+    with shared_fake_server.client() as c:
+        err = assert_error(c.post("/v1/completions", json={**COMPLETION, "stop": ["x"] * (MAX_STOP + 1)}), 400, "stop")
+        assert f"at most {MAX_STOP}" in err["message"] and "valid string" not in err["message"]
+        err = assert_error(c.post("/v1/completions", json={**COMPLETION, "stop": ["a", ""]}), 400, "stop")
+        assert "at least 1" in err["message"] and "valid string" not in err["message"]
+        err = assert_error(c.post("/v1/completions", json={"prompt": [5, -1]}), 400, "prompt")
+        assert "greater than or equal to 0" in err["message"]
+        err = assert_error(c.post("/v1/completions", json={"prompt": ["ok", ""]}), 400, "prompt")
+        assert "at least 1" in err["message"] and "valid string" not in err["message"]
+        err = assert_error(c.post("/v1/chat/completions", json={"messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a"}] * 300}]}), 400, "messages")
+        assert "at most 256" in err["message"]
+
+
+def test_new_numeric_fields_are_range_checked(shared_fake_server: FakeServer):
+    with shared_fake_server.client() as c:
+        assert_error(c.post("/v1/completions", json={**COMPLETION, "prompt_logprobs": 21}), 400, "prompt_logprobs")
+        assert_error(c.post("/v1/completions", json={**COMPLETION, "max_tokens": -1}), 400, "max_tokens")
+        assert_error(c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 0}), 400, "max_tokens")
+        assert_error(c.post("/v1/completions", json={**COMPLETION, "max_tokens": 0, "echo": True, "stream": True}),
+                     400, "max_tokens")
