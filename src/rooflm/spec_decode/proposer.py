@@ -30,12 +30,14 @@ def expected_tokens(k: int, acceptance: float) -> float:
 
 
 def eligible(req: "Request") -> bool:
-    """Requests whose next token the verifier can decide: plain decodes without logprobs, penalties or min_tokens
-    bans (their sampling depends on state the draft positions would change)."""
+    """Requests whose next token the verifier can decide: plain decodes without logprobs, penalties, logit bias or
+    min_tokens bans (their sampling depends on state the draft positions would change, or on logit changes the
+    verifier does not apply)."""
     p = req.params
     return (req.num_output_placeholders == 0 and req.num_computed_tokens == req.num_tokens - 1
             and req.num_output_tokens >= max(1, p.min_tokens) and p.logprobs is None and p.prompt_logprobs is None
-            and p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0)
+            and p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0
+            and not getattr(p, "logit_bias", None))
 
 
 class SpeculativeProposer:
