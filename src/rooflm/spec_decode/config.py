@@ -40,9 +40,9 @@ class SpeculativeConfig:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
                 raise ValueError(f"speculative_config={value!r} is not valid JSON: {e.msg}") from None
+        known = {f.name for f in fields(cls)}
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config={value!r} is invalid: expected a JSON object")
-        known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown field(s) {unknown}: accepted are {sorted(known)}")
