@@ -175,3 +175,24 @@ def test_bad_input_names_field_and_accepted_values(kw, msg):
 def test_unknown_hardware_lists_catalog():
     with pytest.raises(ValueError, match=r"hardware='a600' is unknown: expected one of .*a6000.*h100-sxm"):
         analyze(tiny(), "a600")
+
+
+def test_speculative_prediction_follows_the_roofline():
+    """Memory-bound batch 1: a verify step costs about one decode step, so the speed-up approaches the tokens per
+    verification; at a compute-bound batch the verify step costs its tokens and speculation loses."""
+    import re
+
+    from rooflm.roofline.cli import speculative_lines
+    from rooflm.roofline.hardware import get_hardware
+    from rooflm.spec_decode.proposer import expected_tokens
+
+    hw = get_hardware("a6000")
+    (small,) = speculative_lines("llama-2-7b", hw, [1], 1024, 4, 0.8)
+    ratio, speedup = (float(x) for x in re.search(r"= ([\d.]+)x a decode.*speed-up ([\d.]+)x", small).groups())
+    assert 1.0 <= ratio < 1.05
+    assert speedup == pytest.approx(expected_tokens(4, 0.8) / ratio, rel=1e-2)
+    (big,) = speculative_lines("llama-2-7b", hw, [1024], 16, 4, 0.5)  # short contexts: the linear layers dominate
+    ratio_big, speedup_big = (float(x) for x in re.search(r"= ([\d.]+)x a decode.*speed-up ([\d.]+)x", big).groups())
+    assert ratio_big > 2.0 and speedup_big < 1.0
+    with pytest.raises(ValueError, match="--acceptance"):
+        speculative_lines("llama-2-7b", hw, [1], 1024, 4, 1.5)

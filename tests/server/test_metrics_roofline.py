@@ -57,3 +57,17 @@ def test_roofline_gauge_and_cumulative_histogram_after_known_steps():
     assert buckets["0.4"] == 3 and buckets["1.0"] == 6 and buckets["+Inf"] == len(fractions)
     assert m["rooflm_step_roofline_fraction_count"][()] == len(fractions)
     assert m["rooflm_step_roofline_fraction_sum"][()] == pytest.approx(sum(fractions))
+
+
+def test_speculative_decoding_counters_after_known_verifications():
+    engine = _Engine()
+    m = _scrape(engine)
+    assert not [k for k in m if "spec_decode" in k]  # no speculation: no series
+    s = engine.stats
+    s.spec_draft_tokens, s.spec_accepted_tokens, s.spec_verifications = 40, 30, 10
+    m = _scrape(engine)
+    assert m["rooflm_spec_decode_draft_tokens_total"][()] == 40
+    assert m["rooflm_spec_decode_accepted_tokens_total"][()] == 30
+    assert m["rooflm_spec_decode_verifications_total"][()] == 10
+    assert m["rooflm_spec_decode_acceptance_rate"][()] == pytest.approx(0.75)
+    assert m["rooflm_spec_decode_mean_accepted_length"][()] == pytest.approx(4.0)

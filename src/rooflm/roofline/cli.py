@@ -46,6 +46,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="measure this machine's memory bandwidth and matmul peak (torch) and use them")
     p.add_argument("--device-file", metavar="FILE", help="JSON/YAML file adding devices to the catalog")
     p.add_argument("--list-hardware", action="store_true", help="list the device catalog and exit")
+    p.add_argument("--speculative-tokens", type=int, default=None, metavar="K",
+                   help="also predict speculative decoding's speed-up with K draft tokens per step (16-bit weights)")
+    p.add_argument("--acceptance", type=float, default=0.7,
+                   help="with --speculative-tokens: probability a draft token is accepted (default 0.7)")
     p.set_defaults(func=run)
 
 
@@ -112,4 +116,33 @@ def run(args: argparse.Namespace) -> int:
         from rooflm.roofline.html import html_report
 
         _write(args.html, html_report(results))
+    if args.speculative_tokens is not None:
+        for line in speculative_lines(args.model, hw, batches, args.decode_context or input_lens[0],
+                                      args.speculative_tokens, args.acceptance, args.tp):
+            print(line, file=sys.stderr if to_stdout else sys.stdout)
     return 0
+
+
+def speculative_lines(model: str, hw, batches: list[int], context: int, k: int, acceptance: float,
+                      tp: int = 1) -> list[str]:
+    """Speculative decoding on the roofline: a verify step of k + 1 tokens per request against a decode step of one,
+    at ``context`` tokens, and the speed-up at ``acceptance`` (tokens per verification (1 - a^(k+1)) / (1 - a),
+    Leviathan et al. 2023)."""
+    from rooflm.config import load_model_config
+    from rooflm.roofline.live import LiveRoofline
+    from rooflm.spec_decode.proposer import expected_tokens
+
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"--speculative-tokens={k!r} is invalid: expected a positive integer")
+    if not 0 <= acceptance <= 1:
+        raise ValueError(f"--acceptance={acceptance!r} is invalid: expected a probability in [0, 1]")
+    live = LiveRoofline(load_model_config(model), "float16", hw, tp=tp)
+    lines = []
+    for b in batches:
+        plain = live.predict([1] * b, [context + 1] * b, b)
+        verify = live.predict([k + 1] * b, [context + k + 1] * b, b * (k + 1))
+        tokens = expected_tokens(k, acceptance)
+        lines.append(f"speculative decoding, batch {b}, k={k}, acceptance {acceptance:g}: a verify step takes "
+                     f"{verify * 1e3:.3f} ms = {verify / plain:.3f}x a decode step ({plain * 1e3:.3f} ms); "
+                     f"{tokens:.2f} tokens per verification: predicted speed-up {tokens * plain / verify:.2f}x")
+    return lines

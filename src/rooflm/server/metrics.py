@@ -80,6 +80,16 @@ class _EngineCollector(Collector):
         yield counter("rooflm_engine_steps", "Engine steps run.", s.num_steps)
         yield gauge("rooflm_engine_alive", "1 while the engine loop runs, 0 once it stopped.",
                     1.0 if self.engine.is_running else 0.0)
+        if s.spec_verifications:
+            yield counter("rooflm_spec_decode_draft_tokens", "Speculative draft tokens verified.", s.spec_draft_tokens)
+            yield counter("rooflm_spec_decode_accepted_tokens", "Speculative draft tokens accepted.",
+                          s.spec_accepted_tokens)
+            yield counter("rooflm_spec_decode_verifications", "Verifications (one per request and step with drafts).",
+                          s.spec_verifications)
+            yield gauge("rooflm_spec_decode_acceptance_rate", "Accepted / verified draft tokens (0..1).",
+                        s.spec_acceptance_rate)
+            yield gauge("rooflm_spec_decode_mean_accepted_length", "Tokens per verification: accepted drafts + 1.",
+                        s.spec_mean_accepted_length)
         if s.roofline_fraction is not None:
             yield gauge("rooflm_roofline_fraction", "Best possible time of the engine steps run / their measured "
                         "time (1 = at the roofline).", s.roofline_fraction)
