@@ -237,6 +237,13 @@ class EngineConfig:
     # first), "mlfq" (FastServe's skip-join multi-level feedback queue), "fair" (the Virtual Token Counter over
     # the requests' users). See docs/scheduling.md.
     scheduling_policy: str = "fcfs"
+    # The policies' knobs (see SchedulerConfig).
+    mlfq_num_levels: int = 4
+    mlfq_quantum: int = 16
+    mlfq_skip_join_tokens: int = 256
+    mlfq_starvation_steps: int = 512
+    fair_input_weight: float = 1.0
+    fair_output_weight: float = 2.0
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -264,7 +271,9 @@ class EngineConfig:
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, max_model_len,
-                               scheduling_policy=self.scheduling_policy)
+                               self.scheduling_policy, self.mlfq_num_levels, self.mlfq_quantum,
+                               self.mlfq_skip_join_tokens, self.mlfq_starvation_steps, self.fair_input_weight,
+                               self.fair_output_weight)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching,
