@@ -302,3 +302,13 @@ def test_every_policy_completes_every_request_without_leaks(policy, asynchronous
 
 def test_make_policy_follows_the_config():
     assert [make_policy(SchedulerConfig(scheduling_policy=p)).name for p in POLICIES] == list(POLICIES)
+
+
+def test_priority_and_user_are_validated():
+    from rooflm.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match="priority='high'"):
+        SamplingParams(priority="high")
+    with pytest.raises(ValueError, match="user=7"):
+        SamplingParams(user=7)
+    assert SamplingParams(priority=-3, user="alice").clone(n=1).priority == -3
