@@ -62,6 +62,8 @@ _T_FAKE = "tests/server/test_server_api_fake.py"
 _T_BEHAVIOUR = "tests/engine/test_engine_behaviour.py"
 _SCHED = "src/rooflm/engine/scheduler.py"
 _T_SCHED = "tests/unit/test_scheduler.py"
+_POLICY = "src/rooflm/engine/policy.py"
+_T_POLICY = "tests/unit/test_scheduling_policies.py"
 
 MUTANTS: list[Mutant] = [
     Mutant(
@@ -206,6 +208,75 @@ MUTANTS: list[Mutant] = [
         "raw_logprobs = torch.log_softmax(logits / 0.8, dim=-1) if md.return_logprobs else None",
         ("tests/engine/test_generation.py::test_logprobs_equal_transformers",),
         "logprobs come from a temperature-scaled distribution instead of the model's",
+    ),
+    Mutant(
+        "priority-victim-earliest", _POLICY,
+        "    def victim(self, running: Sequence[\"Request\"]) -> \"Request\":\n        return max(running, key=self.key)",
+        "    def victim(self, running: Sequence[\"Request\"]) -> \"Request\":\n        return min(running, key=self.key)",
+        (f"{_T_POLICY}::test_priority_preempts_the_lowest_priority_latest_arrival",
+         f"{_T_POLICY}::test_priority_never_preempts_a_higher_priority_request_for_a_lower_one"),
+        "the priority policy preempts its most important running request instead of its least important",
+    ),
+    Mutant(
+        "priority-preempts-equals", _POLICY,
+        "        return self.key(candidate)[0] < self.key(victim)[0]",
+        "        return self.key(candidate)[0] <= self.key(victim)[0]",
+        (f"{_T_POLICY}::test_a_waiting_higher_priority_request_preempts_when_the_batch_is_full",),
+        "a waiting request preempts a running one of the same priority",
+    ),
+    Mutant(
+        "no-admission-preemption", _SCHED,
+        "        return victim if self.policy.outranks(candidate, victim) else None",
+        "        return None",
+        (f"{_T_POLICY}::test_a_waiting_higher_priority_request_preempts_when_the_batch_is_full",
+         f"{_T_POLICY}::test_a_waiting_higher_priority_request_preempts_when_the_pool_is_short",
+         f"{_T_POLICY}::test_mlfq_a_new_short_request_preempts_a_demoted_one"),
+        "a waiting request of a higher class never preempts a running one to be admitted",
+    ),
+    Mutant(
+        "mlfq-no-demotion", _POLICY,
+        "                self.level[rid] += 1",
+        "                self.level[rid] += 0",
+        (f"{_T_POLICY}::test_mlfq_demotes_after_each_levels_quantum_of_generated_tokens",
+         f"{_T_POLICY}::test_mlfq_a_new_short_request_preempts_a_demoted_one"),
+        "MLFQ never demotes a request that used up its level's quantum",
+    ),
+    Mutant(
+        "mlfq-no-skip-join", _POLICY,
+        "            level, limit = level + 1, limit * 2",
+        "            level, limit = level, limit * 2",
+        (f"{_T_POLICY}::test_mlfq_skip_join_picks_the_first_level_from_the_prompt_length",
+         f"{_T_POLICY}::test_mlfq_long_prompt_joins_lower_and_waits_for_short_ones"),
+        "MLFQ puts every request in the top level whatever its prompt length",
+    ),
+    Mutant(
+        "mlfq-no-starvation-guard", _POLICY,
+        "            if self.waited[rid] >= self.starvation_steps:  # the starvation guard",
+        "            if False:",
+        (f"{_T_POLICY}::test_mlfq_starvation_guard_promotes_after_waiting_steps",),
+        "a request waiting in a low MLFQ level is never promoted",
+    ),
+    Mutant(
+        "fair-serves-the-richest", _POLICY,
+        "        return min(waiting, key=lambda r: (self.counters[self.client(r)], r.arrival_index))",
+        "        return max(waiting, key=lambda r: (self.counters[self.client(r)], -r.arrival_index))",
+        (f"{_T_POLICY}::test_fair_alternates_clients_by_their_virtual_token_counters",),
+        "the fair policy admits the client with the largest counter",
+    ),
+    Mutant(
+        "fair-no-lift", _POLICY,
+        "        if u not in queued:  # the client becomes active",
+        "        if False:  # the client becomes active",
+        (f"{_T_POLICY}::test_fair_lifts_a_newly_active_clients_counter",),
+        "a client that becomes active keeps the credit of its idle time",
+    ),
+    Mutant(
+        "fair-output-free", _POLICY,
+        "            self.counters[self.client(req)] += self.w_out * (generated - done)",
+        "            self.counters[self.client(req)] += 0",
+        (f"{_T_POLICY}::test_fair_counters_are_the_weighted_service_each_client_received",
+         f"{_T_POLICY}::test_fair_alternates_clients_by_their_virtual_token_counters"),
+        "generated tokens are not charged to the client's virtual token counter",
     ),
 ]
 

@@ -10,6 +10,7 @@ from typing import Any
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+SCHEDULING_POLICIES = ("fcfs", "priority", "mlfq", "fair")
 
 
 def _bad(cls: str, name: str, value: object, accepted: str) -> ValueError:
@@ -174,12 +175,32 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     max_num_seqs: int = 256  # running requests (each of the n samples counts) at most
     max_model_len: int = 2048  # prompt + generated tokens of one sequence at most
+    # Who is admitted and who is preempted: "fcfs" | "priority" | "mlfq" | "fair" (see rooflm.engine.policy).
+    scheduling_policy: str = "fcfs"
+    # mlfq (FastServe, Wu et al. 2023): levels, the top level's quantum of generated tokens (doubling per level),
+    # the longest prompt that joins the top level (one level lower per doubling), and the steps a waiting request
+    # waits before it is promoted back to the top level.
+    mlfq_num_levels: int = 4
+    mlfq_quantum: int = 16
+    mlfq_skip_join_tokens: int = 256
+    mlfq_starvation_steps: int = 512
+    # fair (Virtual Token Counter, Sheng et al. 2024): service per prompt token and per generated token.
+    fair_input_weight: float = 1.0
+    fair_output_weight: float = 2.0
 
     def __post_init__(self) -> None:
-        for f in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+        for f in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "mlfq_num_levels", "mlfq_quantum",
+                  "mlfq_skip_join_tokens", "mlfq_starvation_steps"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise _bad("SchedulerConfig", f, v, "a positive integer")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise _bad("SchedulerConfig", "scheduling_policy", self.scheduling_policy,
+                       f"one of {SCHEDULING_POLICIES}")
+        for f in ("fair_input_weight", "fair_output_weight"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise _bad("SchedulerConfig", f, v, "a number > 0")
 
 
 @dataclass
@@ -212,6 +233,17 @@ class EngineConfig:
     # Speculative decoding (vLLM's names), a dict or its JSON text, e.g. {"method": "ngram", "num_speculative_tokens":
     # 4}; see rooflm.spec_decode.config.SpeculativeConfig. None: off.
     speculative_config: dict[str, Any] | str | None = None
+    # Admission and preemption order: "fcfs" (first come first served), "priority" (each request's priority, lower
+    # first), "mlfq" (FastServe's skip-join multi-level feedback queue), "fair" (the Virtual Token Counter over
+    # the requests' users). See docs/scheduling.md.
+    scheduling_policy: str = "fcfs"
+    # The policies' knobs (see SchedulerConfig).
+    mlfq_num_levels: int = 4
+    mlfq_quantum: int = 16
+    mlfq_skip_join_tokens: int = 256
+    mlfq_starvation_steps: int = 512
+    fair_input_weight: float = 1.0
+    fair_output_weight: float = 2.0
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -235,7 +267,13 @@ class EngineConfig:
                        "False or None with speculative_config (draft tokens are proposed from the last step's tokens)")
         # The sub-configs validate the rest.
         self.cache_config()
-        SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len or 1)
+        self.scheduler_config(self.max_model_len or 1)
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, max_model_len,
+                               self.scheduling_policy, self.mlfq_num_levels, self.mlfq_quantum,
+                               self.mlfq_skip_join_tokens, self.mlfq_starvation_steps, self.fair_input_weight,
+                               self.fair_output_weight)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching,

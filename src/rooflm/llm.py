@@ -43,9 +43,11 @@ class LLM:
         prompts: str | list[int] | Seq[str] | Seq[list[int]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Run the prompts through continuous batching; outputs come back in the prompts' order.
-        A single prompt may be a string or a list of token ids."""
+        A single prompt may be a string or a list of token ids. ``priority`` (one per prompt, lower first) orders
+        them under ``scheduling_policy="priority"``."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)
@@ -55,6 +57,10 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+            params = [sp.clone(priority=p) for sp, p in zip(params, priority)]
         return self._run([(p, sp) for p, sp in zip(prompts, params)], use_tqdm)
 
     def chat(

@@ -50,6 +50,11 @@ class SamplingParams:
     # {token_id: bias} added to the logits before penalties and sampling (OpenAI's logit_bias); the reported
     # logprobs stay those of the model. Normalised to a dict of int -> float.
     logit_bias: dict[int, float] | None = None
+    # Scheduling (not sampling), kept here so they travel with the request through every front door:
+    # ``priority`` orders admission under the "priority" policy (lower first, vLLM's semantics); ``user`` names the
+    # client the "fair" policy accounts service to (OpenAI's ``user`` field).
+    priority: int = 0
+    user: str | None = None
 
     def __post_init__(self) -> None:
         # Container types are checked before normalising, so a bad type is a ValueError, not a TypeError.
@@ -113,6 +118,10 @@ class SamplingParams:
             if not _is_int(tid) or tid < 0 or not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 _fail("logit_bias", {tid: bias}, f"token ids >= 0 mapped to biases in [{-MAX_LOGIT_BIAS:g}, "
                       f"{MAX_LOGIT_BIAS:g}]")
+        if not _is_int(self.priority):
+            _fail("priority", self.priority, "an integer (lower is served first)")
+        if self.user is not None and not isinstance(self.user, str):
+            _fail("user", self.user, "None or a string naming the client")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             v = getattr(self, name)
             if not isinstance(v, bool):

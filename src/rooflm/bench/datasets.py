@@ -14,6 +14,7 @@ Length distributions:
   log-normal) so that the mean *after* clipping is exactly the target mean (200 / 180 by default). The medians are
   then about 127 and 132 tokens: most requests are short, a few are long, like real chat traffic.
 - ``fixed``: every request has the same prompt and output length (``--input-len`` / ``--output-len``).
+- ``heavy-tailed`` and ``multi-client``: the scheduling workloads, described below.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class SampleRequest:
     prompt: str
     prompt_len: int  # target length in tokens (the server's usage gives the exact count)
     output_len: int  # max_tokens to ask for
+    user: str | None = None  # the client (sent as the OpenAI ``user`` field)
 
 
 def load_text(path: str | None = None) -> str:
@@ -118,3 +120,44 @@ def fixed_lengths(num_prompts: int, windows: TextWindows, input_len: int, output
         raise ValueError(f"input_len={input_len}, output_len={output_len}: both must be >= 1")
     rng = random.Random(seed)
     return [SampleRequest(windows.prompt(rng, input_len), input_len, output_len) for _ in range(num_prompts)]
+
+
+# Scheduling workloads (docs/scheduling.md) -------------------------------------------------------------------------
+# ``heavy-tailed``: output lengths from a Pareto law, L = clip(round(x_m * U^(-1/alpha)), x_m, hi) with U uniform on
+# (0, 1]: most requests are short, a few are very long (alpha near 1: the long ones hold most of the tokens), the
+# workload where size-based scheduling (FastServe's MLFQ) shortens the mean completion time most. Prompts are
+# clipped log-normal as in ``sharegpt-like``.
+HEAVY_TAIL_MIN_OUTPUT, HEAVY_TAIL_ALPHA = 8, 1.1
+# ``multi-client``: one heavy client sending most of the requests, ahead of several light ones (Sheng et al. 2024's
+# setting for the Virtual Token Counter); each request carries its client as the OpenAI ``user`` field.
+HEAVY_CLIENT, LIGHT_CLIENT = "heavy", "light"
+
+
+def pareto_lengths(rng: random.Random, count: int, x_min: int, alpha: float, hi: int) -> list[int]:
+    if x_min < 1 or hi < x_min or not alpha > 0:
+        raise ValueError(f"pareto lengths: x_min={x_min}, alpha={alpha}, hi={hi}: expected 1 <= x_min <= hi and "
+                         "alpha > 0")
+    return [int(min(hi, round(x_min * (1.0 - rng.random()) ** (-1.0 / alpha)))) for _ in range(count)]
+
+
+def heavy_tailed(num_prompts: int, windows: TextWindows, seed: int = 0, mean_input_len: float = 64,
+                 sigma_input: float = 0.5, max_input_len: int = 256, min_output_len: int = HEAVY_TAIL_MIN_OUTPUT,
+                 alpha: float = HEAVY_TAIL_ALPHA, max_output_len: int = 512) -> list[SampleRequest]:
+    rng = random.Random(seed)
+    ins = sample_lengths(rng, num_prompts, mean_input_len, sigma_input, MIN_LEN, max_input_len)
+    outs = pareto_lengths(rng, num_prompts, min_output_len, alpha, max_output_len)
+    return [SampleRequest(windows.prompt(rng, i), i, o) for i, o in zip(ins, outs)]
+
+
+def multi_client(num_prompts: int, windows: TextWindows, seed: int = 0, num_light: int = 3,
+                 heavy_fraction: float = 0.6, input_len: int = 64, output_len: int = 64) -> list[SampleRequest]:
+    """``heavy_fraction`` of the requests from the heavy client, sent first; the rest spread round-robin over
+    ``num_light`` light clients. Every request has the same prompt and output length, so service shares compare
+    directly."""
+    if num_light < 1 or not 0 < heavy_fraction < 1:
+        raise ValueError(f"multi-client: num_light={num_light}, heavy_fraction={heavy_fraction}: expected "
+                         "num_light >= 1 and 0 < heavy_fraction < 1")
+    rng = random.Random(seed)
+    num_heavy = max(1, min(num_prompts - num_light, round(num_prompts * heavy_fraction)))
+    users = [HEAVY_CLIENT] * num_heavy + [f"{LIGHT_CLIENT}-{i % num_light + 1}" for i in range(num_prompts - num_heavy)]
+    return [SampleRequest(windows.prompt(rng, input_len), input_len, output_len, user=u) for u in users]

@@ -31,6 +31,7 @@ from datetime import datetime
 from typing import Any
 
 from rooflm.bench import datasets
+from rooflm.bench.clients import format_clients, jct_stats, per_client_metrics
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 _METRIC_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
@@ -47,6 +48,8 @@ class RequestResult:
     latency: float = 0.0  # seconds, send → last byte
     error: str = ""
     usage_reported: bool = False
+    user: str | None = None  # the client (multi-client workload)
+    start: float = 0.0  # seconds from the start of the run to the send
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -74,9 +77,11 @@ async def send_request(client: Any, url: str, headers: dict[str, str], model: st
         payload["max_tokens"] = req.output_len
     if ignore_eos:
         payload["ignore_eos"] = True
+    if req.user is not None:
+        payload["user"] = req.user
     payload.update(extra_body)
 
-    result = RequestResult(prompt_len=req.prompt_len)
+    result = RequestResult(prompt_len=req.prompt_len, user=req.user)
     chunks_with_text = 0
     start = time.perf_counter()
     last = start
@@ -304,7 +309,16 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         tpw = args.tokens_per_word or await _tokens_per_word(client, base_url, headers, model, text) \
             or datasets.DEFAULT_TOKENS_PER_WORD
         windows = datasets.TextWindows(text, tpw)
-        if args.input_len is not None or args.output_len is not None:
+        dataset_name = args.dataset_name
+        if dataset_name == "heavy-tailed":
+            requests = datasets.heavy_tailed(args.num_prompts, windows, seed=args.seed,
+                                             mean_input_len=args.mean_input_len, max_input_len=args.max_input_len,
+                                             alpha=args.pareto_alpha, max_output_len=args.max_output_len)
+        elif dataset_name == "multi-client":
+            requests = datasets.multi_client(args.num_prompts, windows, seed=args.seed,
+                                             num_light=args.num_light_clients, heavy_fraction=args.heavy_fraction,
+                                             input_len=args.input_len or 64, output_len=args.output_len or 64)
+        elif dataset_name == "fixed" or args.input_len is not None or args.output_len is not None:
             dataset_name = "fixed"
             requests = datasets.fixed_lengths(args.num_prompts, windows,
                                               args.input_len or datasets.SHAREGPT_MEAN_INPUT,
@@ -326,9 +340,14 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
         async def one(req: datasets.SampleRequest) -> RequestResult:
             if semaphore is None:
-                return await send_request(client, url, headers, model, req, chat, args.ignore_eos, extra_body)
-            async with semaphore:
-                return await send_request(client, url, headers, model, req, chat, args.ignore_eos, extra_body)
+                sent = time.perf_counter() - start
+                r = await send_request(client, url, headers, model, req, chat, args.ignore_eos, extra_body)
+            else:
+                async with semaphore:
+                    sent = time.perf_counter() - start
+                    r = await send_request(client, url, headers, model, req, chat, args.ignore_eos, extra_body)
+            r.start = sent
+            return r
 
         print(f"rooflm bench serve: {len(requests)} requests ({dataset_name}) to {url}, model {model}, "
               f"rate {args.request_rate} req/s, max concurrency {args.max_concurrency or 'unlimited'}",
@@ -345,6 +364,10 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         duration = time.perf_counter() - start
 
     metrics = compute_metrics(results, duration, percentiles, goodput)
+    metrics.update(jct_stats([r.latency for r in results if r.success]))
+    by_client = per_client_metrics(results)
+    if by_client:
+        metrics["per_client"] = by_client
     out: dict[str, Any] = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": "openai-chat" if chat else "openai",
@@ -384,6 +407,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
     g.add_argument("--dataset-path", default=None, help="a text file to draw prompts from (default: the shipped "
                                                         "Pride and Prejudice excerpt)")
+    g.add_argument("--dataset-name", default=None, choices=("sharegpt-like", "fixed", "heavy-tailed", "multi-client"),
+                   help="the workload (default: fixed when --input-len/--output-len is given, else sharegpt-like)")
+    g.add_argument("--pareto-alpha", type=float, default=datasets.HEAVY_TAIL_ALPHA,
+                   help="heavy-tailed: the Pareto tail index of output lengths (default 1.1)")
+    g.add_argument("--num-light-clients", type=int, default=3, help="multi-client: light clients (default 3)")
+    g.add_argument("--heavy-fraction", type=float, default=0.6,
+                   help="multi-client: the heavy client's share of the requests (default 0.6)")
     g.add_argument("--input-len", type=int, default=None, help="fixed prompt length in tokens (fixed dataset)")
     g.add_argument("--output-len", type=int, default=None, help="fixed output length in tokens (fixed dataset)")
     g.add_argument("--mean-input-len", type=float, default=datasets.SHAREGPT_MEAN_INPUT,
@@ -446,6 +476,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     print(format_report(result, percentiles, parse_goodput(args.goodput), args.request_rate, args.max_concurrency))
+    print(f"Job completion time (ms): mean {result['mean_jct_ms']:.0f}, p50 {result['p50_jct_ms']:.0f}, "
+          f"p99 {result['p99_jct_ms']:.0f}")
+    if "per_client" in result:
+        print(format_clients(result["per_client"]))
     if result["failed"]:
         first_error = next(e for e in result["errors"] if e)
         print(f"{result['failed']} request(s) failed; first error: {first_error}", file=sys.stderr)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rooflm.config import EngineConfig, ModelConfig, SchedulerConfig
+from rooflm.config import EngineConfig, ModelConfig
 from rooflm.engine.output_processor import OutputProcessor
 from rooflm.engine.request import Request
 from rooflm.engine.sched_output import SchedulerOutput
@@ -90,8 +90,7 @@ class LLMEngine:
         num_blocks = self._num_blocks(cfg)
         self.max_model_len = self._max_model_len(cfg, num_blocks)
         self.eos_token_ids = self._eos_ids(cfg)
-        self.scheduler_config = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
-                                                self.max_model_len)
+        self.scheduler_config = config.scheduler_config(self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.eos_token_ids)
         self.runner = ModelRunner(self.model, cfg, num_blocks, config.block_size, self.device, self.dtype,
@@ -168,8 +167,11 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, priority: int | None = None, user: str | None = None) -> str:
         """Queue a request. Raises ValueError, naming the field and value, for input it cannot serve.
+
+        ``priority`` (lower first) and ``user`` (the client) override ``params.priority`` / ``params.user``; they
+        matter under the "priority" and "fair" scheduling policies.
 
         ``n > 1`` fans out here into n child requests (each its own sample, seeded by its index); the scheduler and
         the runner never see n, and the children share the prompt's KV blocks through the prefix cache."""
@@ -178,6 +180,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params={params!r} is invalid: expected a SamplingParams")
+        if priority is not None or user is not None:
+            params = params.clone(priority=params.priority if priority is None else priority,
+                                  user=params.user if user is None else user)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id={request_id!r} is already in use")

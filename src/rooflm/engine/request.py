@@ -54,6 +54,7 @@ class Request:
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []  # draft tokens to verify in the next step (speculative decoding)
         self.prompt_high_water = 0  # prompt positions computed at least once (for the prompt-token counter)
+        self.arrival_index = 0  # the order the scheduler received it in (scheduling policies break ties by it)
 
     @property
     def num_tokens(self) -> int:

@@ -1,12 +1,16 @@
 """The scheduler: one decision per step under one token budget (vLLM v1's rule, Orca's iteration-level batching).
 
 Every request has ``num_computed_tokens`` catching up to ``num_tokens``. Each ``schedule()``:
-1. running requests, in admission order, get what they still need (a decode: 1 token; an unfinished prompt: the
-   next chunk), within ``max_num_batched_tokens``. When the KV pool cannot supply a block, the most recently
-   admitted running request is preempted: its blocks are freed and it goes back to the front of the queue, to be
-   recomputed later (its tokens so far are kept, so its output does not change).
-2. if nothing was preempted, waiting requests are admitted first come first served while the budget, the pool and
-   ``max_num_seqs`` allow, their prompt's cached prefix (full blocks) skipped.
+1. running requests, in the policy's order (FCFS: admission order), get what they still need (a decode: 1 token;
+   an unfinished prompt: the next chunk), within ``max_num_batched_tokens``. When the KV pool cannot supply a
+   block, the policy's victim (FCFS: the most recently admitted running request) is preempted: its blocks are freed
+   and it goes back to the queue, to be recomputed later (its tokens so far are kept, so its output does not
+   change).
+2. if nothing was preempted, waiting requests are admitted in the policy's order (FCFS: first come first served)
+   while the budget, the pool and ``max_num_seqs`` allow, their prompt's cached prefix (full blocks) skipped. A
+   policy with classes (``priority``, ``mlfq``) may preempt running requests of a strictly lower class to admit a
+   waiting one; otherwise admission stops at the first request that does not fit.
+The policies live in ``rooflm.engine.policy``.
 ``num_computed_tokens`` advances at scheduling time, so the next step can be scheduled while this one runs
 (asynchronous scheduling); a request that will sample holds an output placeholder until its token is read back.
 
@@ -22,6 +26,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from rooflm.config import SchedulerConfig
+from rooflm.engine.policy import make_policy
 from rooflm.engine.request import Request, RequestStatus
 from rooflm.engine.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                                         SchedulerOutput)
@@ -39,6 +44,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; preemption takes from the end
         self.requests: dict[str, Request] = {}
+        self.policy = make_policy(config)
+        self._num_added = 0
         # Requests the runner holds state for, and how many of each one's blocks it has been sent.
         self._sent_blocks: dict[str, int] = {}
         self._finished_for_runner: set[str] = set()
@@ -55,6 +62,9 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id={request.request_id!r} is already in use")
+        request.arrival_index = self._num_added
+        self._num_added += 1
+        self.policy.add(request, self.waiting)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -75,6 +85,7 @@ class Scheduler:
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
         self.kv.free(req.request_id)
+        self.policy.on_finish(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
         self.requests.pop(req.request_id, None)
@@ -105,6 +116,8 @@ class Scheduler:
         preempted: set[str] = set()
 
         spec_used: dict[str, int] = {}
+        self.policy.before_schedule(self.waiting, self.running)
+        self.policy.order_running(self.running)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -117,13 +130,8 @@ class Scheduler:
                 continue
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens,
                                              req.num_computed_tokens + num_new):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim.request_id in self._sent_blocks:
-                    del self._sent_blocks[victim.request_id]
-                    preempted.add(victim.request_id)
-                budget += chosen.pop(victim.request_id, 0)
-                spec_used.pop(victim.request_id, None)
+                victim = self.policy.victim(self.running)
+                budget += self._evict(victim, chosen, preempted, spec_used)
                 if victim is req:
                     break
             else:
@@ -132,15 +140,38 @@ class Scheduler:
                 i += 1
 
         if not preempted:
-            self._admit_waiting(budget, chosen)
+            self._admit_waiting(budget, chosen, preempted, spec_used)
         return self._build_output(chosen, preempted, spec_used)
 
-    def _admit_waiting(self, budget: int, chosen: dict[str, int]) -> None:
+    def _evict(self, victim: Request, chosen: dict[str, int], preempted: set[str], spec_used: dict[str, int]) -> int:
+        """Preempt ``victim`` within this step's schedule; returns the budget it had taken."""
+        self._preempt(victim)
+        if victim.request_id in self._sent_blocks:
+            del self._sent_blocks[victim.request_id]
+            preempted.add(victim.request_id)
+        spec_used.pop(victim.request_id, None)
+        return chosen.pop(victim.request_id, 0)
+
+    def _victim_for(self, candidate: Request) -> Request | None:
+        """A running request the policy lets ``candidate`` preempt to be admitted, or None."""
+        if not self.policy.preempts_for_admission or not self.running:
+            return None
+        victim = self.policy.victim(self.running)
+        return victim if self.policy.outranks(candidate, victim) else None
+
+    def _admit_waiting(self, budget: int, chosen: dict[str, int], preempted: set[str],
+                       spec_used: dict[str, int]) -> None:
         now = time.monotonic()
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        while self.waiting and budget > 0:
+            req = self.policy.next_waiting(self.waiting)
             if req.num_output_placeholders:  # preempted while a step ran for it: resume once its token is back
                 break
+            if not len(self.running) < self.config.max_num_seqs:
+                victim = self._victim_for(req)
+                if victim is None:
+                    break
+                budget += self._evict(victim, chosen, preempted, spec_used)
+                continue
             hits, num_cached = [], 0
             lookup = self.kv.enable_prefix_caching and not req.wants_prompt_logprobs  # those need every position
             if lookup:
@@ -148,8 +179,16 @@ class Scheduler:
                 hits, num_cached = self.kv.get_computed_blocks_by_hash(hashes, req.num_tokens, record=False)
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req.request_id, num_cached, num_cached + num_new, hits):
-                break  # FCFS: nobody jumps the queue
-            self.waiting.popleft()
+                victim = self._victim_for(req)
+                if victim is None:
+                    break  # nobody jumps the policy's queue
+                budget += self._evict(victim, chosen, preempted, spec_used)
+                continue
+            if req is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(req)
+            self.policy.on_admit(req)
             if lookup:
                 self.kv.record_lookup(req.num_tokens, num_cached)
             if req.num_preemptions == 0:

@@ -139,6 +139,8 @@ class _RequestPreparation:
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=body.skip_special_tokens is not False,
                 logit_bias=self._logit_bias(body),
+                priority=body.priority or 0,
+                user=body.user,
             )
         except ValueError as e:
             raise from_value_error(e, None) from None

@@ -18,7 +18,8 @@ MAX_PROMPTS = 64  # prompts in one completions request
 MAX_STOP = 16  # stop strings per request
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20  # top-k logprobs per position (vLLM's default limit)
-# Accepted and without effect on the output: bookkeeping fields of the OpenAI API.
+# Accepted and without effect on the output: bookkeeping fields of the OpenAI API. (``user`` names the client the
+# "fair" scheduling policy accounts service to: it changes when tokens come, never which.)
 NO_OP_FIELDS = ("user", "metadata", "store", "service_tier")
 
 
@@ -76,6 +77,7 @@ class SamplingRequest(_Strict):
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    priority: int | None = Field(default=0, ge=-(2**31), lt=2**31)  # vLLM's extra: lower is served first
 
 
 class CompletionRequest(SamplingRequest):
