@@ -57,6 +57,7 @@ class Result:
 _ASYNC = "src/rooflm/engine/async_engine.py"
 _SERVING = "src/rooflm/server/openai_serving.py"
 _METRICS = "src/rooflm/server/metrics.py"
+_RENDER = "src/rooflm/server/openai_render.py"
 _T_ASYNC = "tests/server/test_server_async_engine.py"
 _T_FAKE = "tests/server/test_server_api_fake.py"
 _T_BEHAVIOUR = "tests/engine/test_engine_behaviour.py"
@@ -76,8 +77,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "running-ignores-budget", _SCHED,
-        "            num_new = min(req.num_tokens - req.num_computed_tokens, budget)\n            if num_new <= 0",
-        "            num_new = req.num_tokens - req.num_computed_tokens\n            if num_new <= 0",
+        "            num_new = min(req.num_tokens - req.num_computed_tokens, budget)\n            if req.spec_token_ids",
+        "            num_new = req.num_tokens - req.num_computed_tokens\n            if req.spec_token_ids",
         (f"{_T_SCHED}::test_a_long_prompt_is_split_into_budget_sized_chunks",),
         "a running request's next chunk ignores the token budget",
     ),
@@ -159,16 +160,14 @@ MUTANTS: list[Mutant] = [
         "the server drops the request's stop strings",
     ),
     Mutant(
-        "completion-logprobs-worst-first", _SERVING,
-        "            token_logprobs.append(_finite(d.get(tid)))\n"
-        "            best = sorted(d.items(), key=lambda kv: -kv[1])[:k]",
-        "            token_logprobs.append(_finite(d.get(tid)))\n"
-        "            best = sorted(d.items(), key=lambda kv: kv[1])[:k]",
+        "completion-logprobs-worst-first", _RENDER,
+        "top.append({self.token_text(t): _finite(lp) for t, lp in _top(d, k)})",
+        "top.append({self.token_text(t): _finite(lp) for t, lp in sorted(d.items(), key=lambda kv: kv[1])[:k]})",
         (f"{_T_FAKE}::test_completion_logprobs_render_the_engines_values",),
         "/v1/completions reports the k least likely tokens as top_logprobs",
     ),
     Mutant(
-        "chat-logprob-of-wrong-token", _SERVING,
+        "chat-logprob-of-wrong-token", _RENDER,
         '"logprob": _finite(d.get(tid, _MIN_LOGPROB))',
         '"logprob": _finite(max(d.values(), default=_MIN_LOGPROB))',
         (f"{_T_FAKE}::test_chat_logprobs_render_the_engines_values",),
