@@ -113,6 +113,21 @@ MUTANTS: list[Mutant] = [
         "a finished request stays known, so a token sampled for it in a step still in flight reaches the output",
     ),
     Mutant(
+        "spec-accepts-every-draft", "src/rooflm/spec_decode/rejection.py",
+        "    accept = x == argmax[:, :k_max]",
+        "    accept = x == x",
+        ("tests/unit/test_spec_decode.py::test_greedy_verification_keeps_the_matching_prefix_and_the_targets_token",
+         "tests/engine/test_spec_decode.py::test_greedy_speculation_equals_plain_decoding"),
+        "greedy verification keeps every draft token, whatever the model predicts",
+    ),
+    Mutant(
+        "spec-no-rollback", _SCHED,
+        "                req.num_computed_tokens -= len(spec) + 1 - len(tokens)\n",
+        "",
+        ("tests/unit/test_spec_decode.py::test_scheduler_schedules_drafts_and_rolls_back_rejected_positions",),
+        "positions of rejected draft tokens are not recomputed (their KV holds tokens that were not kept)",
+    ),
+    Mutant(
         "no-abort-on-cancel", _ASYNC,
         "            if not finished:\n                self.abort(stream.request_id)",
         "            if not finished:\n                pass",
