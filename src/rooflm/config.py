@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from importlib import resources
 from typing import Any
 
@@ -237,13 +237,13 @@ class EngineConfig:
     # first), "mlfq" (FastServe's skip-join multi-level feedback queue), "fair" (the Virtual Token Counter over
     # the requests' users). See docs/scheduling.md.
     scheduling_policy: str = "fcfs"
-    # The policies' knobs (see SchedulerConfig).
-    mlfq_num_levels: int = 4
-    mlfq_quantum: int = 16
-    mlfq_skip_join_tokens: int = 256
-    mlfq_starvation_steps: int = 512
-    fair_input_weight: float = 1.0
-    fair_output_weight: float = 2.0
+    # The policies' knobs, documented and defaulted in SchedulerConfig (one source for the defaults).
+    mlfq_num_levels: int = SchedulerConfig.mlfq_num_levels
+    mlfq_quantum: int = SchedulerConfig.mlfq_quantum
+    mlfq_skip_join_tokens: int = SchedulerConfig.mlfq_skip_join_tokens
+    mlfq_starvation_steps: int = SchedulerConfig.mlfq_starvation_steps
+    fair_input_weight: float = SchedulerConfig.fair_input_weight
+    fair_output_weight: float = SchedulerConfig.fair_output_weight
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -270,10 +270,9 @@ class EngineConfig:
         self.scheduler_config(self.max_model_len or 1)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
-        return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, max_model_len,
-                               self.scheduling_policy, self.mlfq_num_levels, self.mlfq_quantum,
-                               self.mlfq_skip_join_tokens, self.mlfq_starvation_steps, self.fair_input_weight,
-                               self.fair_output_weight)
+        """The scheduler's share of this config: every SchedulerConfig field of the same name."""
+        names = [f.name for f in fields(SchedulerConfig) if f.name != "max_model_len"]
+        return SchedulerConfig(max_model_len=max_model_len, **{n: getattr(self, n) for n in names})
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching,
