@@ -258,3 +258,11 @@ def check_silu_mul_gemv(cfg, m, n, d, bias=False, dtype=torch.float16, device="c
     rel = _rel_err(out, ref)
     limit = {torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     assert out.shape == (m, n) and rel < limit, f"silu_mul_gemv {cfg} M={m} N={n} d={d}: relative error {rel:.2e}"
+
+
+def gemv_test_configs():
+    """GEMV tile configurations the kernel tests sweep: reduction by sums and by tl.dot, with and without split-K."""
+    from rooflm.kernels.gemv import GemvConfig
+
+    return [GemvConfig(False, 16, 64, 1), GemvConfig(False, 16, 64, 3), GemvConfig(True, 16, 64, 1),
+            GemvConfig(True, 32, 32, 2)]

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from kernel_checks import check_gemv, check_rmsnorm, check_rotary, check_silu_and_mul, check_write_kv
+from kernel_checks import (check_gemv, check_rmsnorm, check_rotary, check_silu_and_mul, check_write_kv,
+                           gemv_test_configs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -34,25 +35,18 @@ def test_silu_and_mul(device, d):
     check_silu_and_mul(3, d, device=device)
 
 
-def _cfgs():
-    from rooflm.kernels.gemv import GemvConfig
-
-    return [GemvConfig(False, 16, 64, 1), GemvConfig(False, 16, 64, 3), GemvConfig(True, 16, 64, 1),
-            GemvConfig(True, 32, 32, 2)]
-
-
 @pytest.mark.parametrize("ci", range(4))
 @pytest.mark.parametrize("n,k", [(64, 256), (50, 200)])  # even and uneven tiles
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv(device, ci, n, k, bias):
-    cfg = _cfgs()[ci]
+    cfg = gemv_test_configs()[ci]
     for m in ([1] if not cfg.use_dot else [1, 3, 16]):
         check_gemv(cfg, m, n, k, bias, device=device, seed=m + n)
 
 
 @pytest.mark.parametrize("ci", [0, 3])
 def test_gemv_bfloat16(device, ci):
-    cfg = _cfgs()[ci]
+    cfg = gemv_test_configs()[ci]
     check_gemv(cfg, 1 if not cfg.use_dot else 5, 48, 160, True, dtype=torch.bfloat16, device=device)
 
 

@@ -3,21 +3,14 @@ down) against their unfused twins, and the layers that use them against their re
 import pytest
 import torch
 
-from kernel_checks import check_rmsnorm_gemv, check_silu_mul_gemv
-
-
-def _cfgs():
-    from rooflm.kernels.gemv import GemvConfig
-
-    return [GemvConfig(False, 16, 64, 1), GemvConfig(False, 16, 64, 3), GemvConfig(True, 16, 64, 1),
-            GemvConfig(True, 32, 32, 2)]
+from kernel_checks import check_rmsnorm_gemv, check_silu_mul_gemv, gemv_test_configs
 
 
 @pytest.mark.parametrize("ci", range(4))
 @pytest.mark.parametrize("n,k", [(64, 256), (50, 200)])  # even and uneven tiles
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_rmsnorm_gemv(device, ci, n, k, with_residual):
-    cfg = _cfgs()[ci]
+    cfg = gemv_test_configs()[ci]
     for m in ([1] if not cfg.use_dot else [1, 3, 16]):
         check_rmsnorm_gemv(cfg, m, n, k, with_residual, bias=ci == 2, device=device, seed=m + n + ci)
 
@@ -36,7 +29,7 @@ def test_rmsnorm_gemv_one_pass(device, n, k, with_residual, bias):
 
 @pytest.mark.parametrize("ci", [0, 3])
 def test_rmsnorm_gemv_bfloat16(device, ci):
-    cfg = _cfgs()[ci]
+    cfg = gemv_test_configs()[ci]
     check_rmsnorm_gemv(cfg, 1 if not cfg.use_dot else 5, 48, 160, True, bias=True, dtype=torch.bfloat16,
                        device=device)
 
@@ -44,13 +37,13 @@ def test_rmsnorm_gemv_bfloat16(device, ci):
 @pytest.mark.parametrize("ci", range(4))
 @pytest.mark.parametrize("n,d", [(64, 256), (50, 200)])
 def test_silu_mul_gemv(device, ci, n, d):
-    cfg = _cfgs()[ci]
+    cfg = gemv_test_configs()[ci]
     for m in ([1] if not cfg.use_dot else [1, 4, 16]):
         check_silu_mul_gemv(cfg, m, n, d, bias=ci == 3, device=device, seed=m + d + ci)
 
 
 def test_silu_mul_gemv_bfloat16(device):
-    check_silu_mul_gemv(_cfgs()[3], 6, 40, 96, bias=False, dtype=torch.bfloat16, device=device)
+    check_silu_mul_gemv(gemv_test_configs()[3], 6, 40, 96, bias=False, dtype=torch.bfloat16, device=device)
 
 
 def test_fused_gemv_rejects_bad_shapes(device):

@@ -84,3 +84,15 @@ def _stop_prestarted() -> Iterator[None]:
     yield
     for server in _prestarted.values():
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def hf(default_model_path):
+    """transformers' model and tokenizer on the default GGUF, float32: the reference for log-likelihoods."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(default_model_path)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return model, tok

@@ -4,7 +4,6 @@ GGUF weights (float32) within 1e-3. Skipped when lm-eval is not installed."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -35,16 +34,6 @@ def _tasks(folder) -> None:
         f"    test: {folder / 'rolling.jsonl'}\ntest_split: test\noutput_type: loglikelihood_rolling\n"
         "doc_to_text: \"\"\ndoc_to_target: \"{{text}}\"\nmetric_list:\n  - metric: word_perplexity\n"
         "    aggregation: weighted_perplexity\n    higher_is_better: false\n")
-
-
-@pytest.fixture(scope="module")
-def hf(default_model_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = os.path.split(default_model_path)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    return model, tok
 
 
 def _loglikelihood(model, context: list[int], continuation: list[int]) -> float:

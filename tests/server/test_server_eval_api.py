@@ -4,7 +4,6 @@
 GGUF weights (float32)."""
 from __future__ import annotations
 
-import os
 
 import httpx
 import pytest
@@ -16,16 +15,6 @@ pytestmark = pytest.mark.slow
 CONTEXT = "Question: What is the capital of France?\nAnswer:"
 CONTINUATIONS = [" Paris", " London", " a large city in Europe"]
 TOLERANCE = 1e-3  # per item (sum over the continuation)
-
-
-@pytest.fixture(scope="module")
-def hf(default_model_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = os.path.split(default_model_path)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    return model, tok
 
 
 def hf_logprobs(model, ids: list[int]) -> list[float]:

@@ -210,22 +210,15 @@ def test_mlfq_without_the_guard_a_later_short_request_overtakes():
 
 
 # -- fair -------------------------------------------------------------------------------------------------------------
-def test_fair_alternates_clients_by_their_virtual_token_counters():
-    s = make_scheduler("fair", max_seqs=1)
+@pytest.mark.parametrize("policy, order", [("fair", ["H0", "L0", "H1", "L1", "H2"]),  # counters alternate
+                                           ("fcfs", ["H0", "H1", "H2", "L0", "L1"])])  # the heavy client first
+def test_fair_alternates_clients_where_fcfs_serves_the_heavy_one_first(policy, order):
+    s = make_scheduler(policy, max_seqs=1)
     for i in range(3):
         s.add_request(make_request(f"H{i}", 4, max_tokens=1, user="heavy", start=100 + 10 * i))
     for i in range(2):
         s.add_request(make_request(f"L{i}", 4, max_tokens=1, user="light", start=500 + 10 * i))
-    assert admission_order(s) == ["H0", "L0", "H1", "L1", "H2"]
-
-
-def test_fcfs_serves_the_heavy_client_first():
-    s = make_scheduler("fcfs", max_seqs=1)
-    for i in range(3):
-        s.add_request(make_request(f"H{i}", 4, max_tokens=1, user="heavy", start=100 + 10 * i))
-    for i in range(2):
-        s.add_request(make_request(f"L{i}", 4, max_tokens=1, user="light", start=500 + 10 * i))
-    assert admission_order(s) == ["H0", "H1", "H2", "L0", "L1"]
+    assert admission_order(s) == order
 
 
 def test_fair_counters_are_the_weighted_service_each_client_received():

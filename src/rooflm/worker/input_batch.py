@@ -5,7 +5,6 @@ preempted (vLLM v1's ``InputBatch``). Per row:
 - the host block table (numpy, ``[max_rows, max_blocks]``), extended with the ids each step adds;
 - ``last_token`` on the device: the token the row sampled last. Decode inputs are gathered from it on the device,
   so a sampled token feeds the next step without a round trip through the host (asynchronous scheduling);
-- the sampling parameters as a device table ``[7, max_rows]``, written once per request;
 - for rows with repetition/presence/frequency penalties only: generated-token counts and a prompt-token mask on the
   device (``[max_rows, vocab]``, allocated on first use), updated after each step from the sampled ids.
 """
@@ -17,15 +16,6 @@ import numpy as np
 import torch
 
 from rooflm.sampling_params import SamplingParams
-
-_PARAM_ROWS = 7  # temperature, top_k, top_p, min_p, repetition, presence, frequency
-
-
-def param_column(p: SamplingParams) -> list[float]:
-    greedy = p.greedy or p.top_k == 1
-    return [0.0 if greedy else float(p.temperature), float(p.top_k), float(p.top_p), float(p.min_p),
-            float(p.repetition_penalty), float(p.presence_penalty), float(p.frequency_penalty)]
-
 
 def has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
@@ -59,15 +49,8 @@ class InputBatch:
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self.block_table = np.zeros((max_rows, max_blocks_per_seq), dtype=np.int64)
         self.last_token = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self.params = torch.zeros(_PARAM_ROWS, max_rows, dtype=torch.float32, device=device)
         self.output_counts: torch.Tensor | None = None  # [max_rows, vocab] int32, rows with penalties only
         self.prompt_mask: torch.Tensor | None = None  # [max_rows, vocab] bool
-        self._pin = device.type == "cuda"
-
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self._pin:
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
 
     def add(self, req_id: str, token_ids: list[int], num_prompt_tokens: int, params: SamplingParams,
             generator: torch.Generator | None, block_ids: list[int], num_computed_tokens: int) -> CachedRequestState:
@@ -82,7 +65,6 @@ class InputBatch:
         state = CachedRequestState(req_id, token_ids, num_prompt_tokens, params, generator, list(block_ids),
                                    num_computed_tokens, len(token_ids), row, has_penalties(params))
         self.block_table[row, :len(block_ids)] = block_ids
-        self.params[:, row] = self._to_device(torch.tensor(param_column(params), dtype=torch.float32))
         if state.penalties:
             self._init_penalty_row(state)
         self.reqs[req_id] = state
