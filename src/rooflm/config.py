@@ -219,7 +219,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     seed: int = 0  # dummy weights and requests without their own seed
     enforce_eager: bool = False  # no CUDA graphs
-    attention_backend: str = "auto"  # "torch" (reference) | "triton" | "auto" (follows ``ops``)
+    attention_backend: str = "auto"  # "torch" (reference) | "triton" | "cpu" | "auto" (follows ``ops``)
     # Which implementation each op (linear, norm, activation, rotary + KV write) picks, once, when the model is built:
     # "auto" (Triton kernels on CUDA when importable and ROOFLM_KERNELS != "0"), "native" (plain torch), "triton".
     ops: str = "auto"
@@ -250,10 +250,11 @@ class EngineConfig:
             raise _bad("EngineConfig", "load_format", self.load_format, f"one of {LOAD_FORMATS}")
         if self.dtype not in ("auto",) + SUPPORTED_DTYPES:
             raise _bad("EngineConfig", "dtype", self.dtype, f"'auto' or one of {SUPPORTED_DTYPES}")
-        if self.ops not in ("auto", "native", "triton"):
-            raise _bad("EngineConfig", "ops", self.ops, "'auto', 'native' or 'triton'")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise _bad("EngineConfig", "attention_backend", self.attention_backend, "'auto', 'torch' or 'triton'")
+        if self.ops not in ("auto", "native", "triton", "cpu"):
+            raise _bad("EngineConfig", "ops", self.ops, "'auto', 'native', 'triton' or 'cpu'")
+        if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
+            raise _bad("EngineConfig", "attention_backend", self.attention_backend,
+                       "'auto', 'torch', 'triton' or 'cpu'")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise _bad("EngineConfig", "gpu_memory_utilization", self.gpu_memory_utilization, "a number in (0, 1]")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):

@@ -101,11 +101,14 @@ def check_prefill(num_heads, num_kv_heads, head_dim, block_size, ctx_lens, q_len
 
 
 def check_backend(num_heads, num_kv_heads, head_dim, block_size, ctx_lens, q_lens, window=None,
-                  dtype=torch.float16, device="cpu", seed=0):
-    """TritonAttention against TorchRefAttention through the whole protocol a model calls (rotary_and_write, then
-    attend): same rotated queries, same cache afterwards (cache slots not written must be untouched), same output."""
+                  dtype=torch.float16, device="cpu", seed=0, backend_cls=None):
+    """A backend (TritonAttention by default) against TorchRefAttention through the whole protocol a model calls
+    (rotary_and_write, then attend): same rotated queries, same cache afterwards (cache slots not written must be
+    untouched), same output."""
     from rooflm.attention.torch_ref import TorchRefAttention
-    from rooflm.attention.triton_backend import TritonAttention
+
+    if backend_cls is None:
+        from rooflm.attention.triton_backend import TritonAttention as backend_cls
 
     g = torch.Generator().manual_seed(seed)
     q, k, v, cache, meta = make_step(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, g)
@@ -115,7 +118,7 @@ def check_backend(num_heads, num_kv_heads, head_dim, block_size, ctx_lens, q_len
     cache_ref = cache.clone()
     ref_q, _ = TorchRefAttention().rotary_and_write(q.clone(), k.clone(), v.clone(), cos, sin, cache_ref, meta)
     ref = TorchRefAttention().attend(ref_q, cache_ref, meta, scale, window)
-    backend = TritonAttention()
+    backend = backend_cls()
     rq, _ = backend.rotary_and_write(q, k, v, cos, sin, cache, meta)
     out = backend.attend(rq, cache, meta, scale, window)
     assert_close(rq, ref_q, dtype, "backend rotated q")

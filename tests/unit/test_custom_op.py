@@ -106,16 +106,26 @@ def test_native_model_never_calls_a_triton_kernel(monkeypatch, arch) -> None:
     assert set(chosen_ops(model).values()) == {"native"}
 
 
-def test_auto_on_cpu_chooses_native_in_the_loader(tmp_path) -> None:
+def test_auto_on_cpu_chooses_the_cpu_path_in_the_loader(tmp_path) -> None:
+    from rooflm.layers.norm import RMSNorm
+
     cfg = tiny_config()
     (tmp_path / "config.json").write_text(json.dumps(cfg.hf_config))
     model, _ = load_model(str(tmp_path / "config.json"), device="cpu", ops="auto", show_progress=False)
     ops = custom_ops(model)
     assert len(ops) == len(chosen_ops(model)) > 0
     for m in ops:
-        assert m.impl == "native", type(m).__name__
-        assert m._impl_fn is type(m).forward_native
-    assert {m.backend.name for m in ops if isinstance(m, Attention)} == {"torch"}
+        assert m.impl == "cpu", type(m).__name__
+        # an op with a CPU implementation runs it; the others run their reference
+        has_cpu = type(m).forward_cpu is not CustomOp.forward_cpu
+        assert m._impl_fn is (type(m).forward_cpu if has_cpu else type(m).forward_native), type(m).__name__
+    assert any(isinstance(m, RMSNorm) and m._impl_fn is RMSNorm.forward_cpu for m in ops)
+    assert {m.backend.name for m in ops if isinstance(m, Attention)} == {"cpu"}
+    native, _ = load_model(str(tmp_path / "config.json"), device="cpu", ops="native", show_progress=False)
+    native.load_state_dict(model.state_dict())
+    logits = run_steps(model, cfg)
+    ref = run_steps(native, cfg)
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_outside_any_selection_ops_are_native_and_selections_nest() -> None:
@@ -132,11 +142,13 @@ def test_outside_any_selection_ops_are_native_and_selections_nest() -> None:
 def test_auto_resolution_follows_device_triton_and_env(monkeypatch) -> None:
     monkeypatch.delenv("ROOFLM_KERNELS", raising=False)
     fast = "triton" if triton_available() else "native"
-    assert OpSelection(torch.device("cpu")).impl() == "native"
+    assert OpSelection(torch.device("cpu")).impl() == "cpu"
+    assert OpSelection(torch.device("cpu")).attention_impl() == "cpu"
     assert OpSelection(torch.device("cuda")).impl() == fast
     assert OpSelection(torch.device("cuda")).attention_impl() == ("triton" if fast == "triton" else "torch")
     assert OpSelection(torch.device("cuda"), attention="torch").attention_impl() == "torch"
     monkeypatch.setenv("ROOFLM_KERNELS", "0")
+    assert OpSelection(torch.device("cpu")).impl() == "native"
     assert OpSelection(torch.device("cuda")).impl() == "native"
     assert OpSelection(torch.device("cuda")).attention_impl() == "torch"
 
@@ -160,9 +172,9 @@ def test_select_ops_rechooses_and_native_again_gives_the_same_logits() -> None:
     for m in custom_ops(model):
         assert m._impl_fn is type(m).forward_native
     assert torch.equal(run_steps(model, cfg), before)
-    # auto re-chooses for the model's own device (its parameters live on the CPU): native
+    # auto re-chooses for the model's own device (its parameters live on the CPU): the CPU path
     select_ops(model, "triton", attention="torch")
-    assert set(select_ops(model, "auto").values()) == {"native"}
+    assert set(select_ops(model, "auto").values()) == {"cpu"}
 
 
 def test_select_ops_native_equals_a_model_built_native() -> None:

@@ -50,7 +50,7 @@ class AttentionBackend(Protocol):
     2. ``attend``: attend each sequence's queries to its cached context, the new tokens included (causal, optionally
        a sliding window of the last ``sliding_window`` positions, the query's own included).
 
-    ``name`` ("torch" or "triton") tells the engine whether a step can be captured in a CUDA graph."""
+    ``name`` ("torch", "triton" or "cpu") tells the engine whether a step can be captured in a CUDA graph."""
 
     name: str
 
@@ -92,9 +92,11 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
 
 
 def get_attention_backend(name: str = "torch", device: torch.device | str = "cpu") -> AttentionBackend:
-    """``torch``: the reference (any device); ``triton``: the GPU kernels; ``auto``: triton on CUDA when importable."""
+    """``torch``: the reference (any device); ``triton``: the GPU kernels; ``cpu``: few large torch ops, for the CPU;
+    ``auto``: triton on CUDA when importable, cpu on the CPU, torch otherwise."""
     if name == "auto":
-        name = "triton" if torch.device(device).type == "cuda" and _triton_available() else "torch"
+        dev = torch.device(device).type
+        name = "triton" if dev == "cuda" and _triton_available() else "cpu" if dev == "cpu" else "torch"
     if name == "torch":
         from rooflm.attention.torch_ref import TorchRefAttention
 
@@ -103,7 +105,11 @@ def get_attention_backend(name: str = "torch", device: torch.device | str = "cpu
         from rooflm.attention.triton_backend import TritonAttention
 
         return TritonAttention()
-    raise ValueError(f"attention_backend={name!r} is unknown: expected 'torch', 'triton' or 'auto'")
+    if name == "cpu":
+        from rooflm.attention.cpu_backend import CpuAttention
+
+        return CpuAttention()
+    raise ValueError(f"attention_backend={name!r} is unknown: expected 'torch', 'triton', 'cpu' or 'auto'")
 
 
 def _triton_available() -> bool:

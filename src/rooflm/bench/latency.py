@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-scheduling", default=None, choices=["on", "off"],
                    help="schedule step N+1 while step N runs (default: on for CUDA, off on the CPU)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"])
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step (default: max(2048, input_len), so one prompt is one prefill step)")
     p.add_argument("--kv-cache-memory-gib", type=float, default=None,

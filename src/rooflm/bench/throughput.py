@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, help="JSON, as the engine's speculative_config")
     p.add_argument("--async-scheduling", default=None, choices=["on", "off"],
                    help="schedule step N+1 while step N runs (default: on for CUDA, off on the CPU)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"])
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
     p.add_argument("--hf-num-prompts", type=int, default=64)
     p.add_argument("--hf-batch-size", type=int, default=32)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 
 from rooflm.attention.backend import AttentionBackend, AttentionMetadata, get_attention_backend
-from rooflm.layers.custom_op import NATIVE, TRITON, CustomOp, OpSelection
+from rooflm.layers.custom_op import CPU, NATIVE, TRITON, CustomOp, OpSelection
 
 
 class Attention(CustomOp):
     """Stateless apart from its shape and its backend: the cache tensor and the metadata come with every call.
 
-    The backend ("torch", the reference, or "triton") follows the op selection's ``attention`` setting; ``impl`` is
-    "native" for the torch backend and "triton" for the Triton one. ``backend`` is kept as an attribute: the engine
+    The backend ("torch", the reference, "triton" or "cpu") follows the op selection's ``attention`` setting;
+    ``impl`` is "native" for the torch backend, "cpu" for the CPU one and "triton" for the Triton one. ``backend`` is kept as an attribute: the engine
     reads its ``name`` to decide whether decode steps can be captured in a CUDA graph."""
 
     backend: AttentionBackend
@@ -35,7 +35,7 @@ class Attention(CustomOp):
     def choose(self, selection: OpSelection) -> None:
         name = selection.attention_impl()
         self.backend = get_attention_backend(name)
-        self._set_impl(NATIVE if name == "torch" else TRITON)
+        self._set_impl({"torch": NATIVE, "cpu": CPU}.get(name, TRITON))
 
     def forward_native(
         self,

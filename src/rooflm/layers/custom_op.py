@@ -5,7 +5,10 @@ Every op with a GPU fast path (``Linear``, ``LMHead``, ``RMSNorm``, ``SiluAndMul
 defines two methods with the same signature:
 
 - ``forward_native``: plain torch, the reference twin; runs on any device;
-- ``forward_cuda``: the Triton kernels (``rooflm.kernels``).
+- ``forward_cuda``: the Triton kernels (``rooflm.kernels``);
+- ``forward_cpu`` (optional): the same maths in fewer, larger torch ops (or torch's packed integer matmuls) for a
+  model on the CPU, where each small op's dispatch costs about as much as a small layer's arithmetic; an op without
+  one runs ``forward_native`` there.
 
 Which one ``forward`` runs is decided in ``CustomOp.__init__`` from the active ``OpSelection``, never in ``forward``.
 The loader builds the model inside ``op_selection(device, ops, attention)``; a module built outside any
@@ -14,12 +17,14 @@ the two paths on the same weights, benchmarks, or a model moved to another devic
 
 ``ops`` values:
 - ``"auto"``: the Triton path when the model lives on a CUDA device, triton is installed and the environment does not
-  set ``ROOFLM_KERNELS=0``; the reference path otherwise;
+  set ``ROOFLM_KERNELS=0``; the CPU path for a model on the CPU (unless ``ROOFLM_KERNELS=0``); the reference
+  otherwise;
 - ``"native"``: the reference path everywhere;
-- ``"triton"``: the Triton path (on a CPU only under ``TRITON_INTERPRET=1``, set before triton is imported).
+- ``"triton"``: the Triton path (on a CPU only under ``TRITON_INTERPRET=1``, set before triton is imported);
+- ``"cpu"``: the CPU path (on any device: it is plain torch).
 
-``attention`` names the attention backend: ``"torch"`` (the reference), ``"triton"``, or ``"auto"``, which follows
-the choice made for ``ops`` (``"native"`` -> torch, ``"triton"`` -> triton).
+``attention`` names the attention backend: ``"torch"`` (the reference), ``"triton"``, ``"cpu"``, or ``"auto"``,
+which follows the choice made for ``ops`` (``"native"`` -> torch, ``"triton"`` -> triton, ``"cpu"`` -> cpu).
 """
 from __future__ import annotations
 
@@ -33,11 +38,12 @@ from typing import Any
 import torch
 from torch import nn
 
-OPS_CHOICES = ("auto", "native", "triton")
-ATTENTION_CHOICES = ("auto", "torch", "triton")
+OPS_CHOICES = ("auto", "native", "triton", "cpu")
+ATTENTION_CHOICES = ("auto", "torch", "triton", "cpu")
 
 NATIVE = "native"
 TRITON = "triton"
+CPU = "cpu"
 
 
 def triton_available() -> bool:
@@ -70,18 +76,21 @@ class OpSelection:
         object.__setattr__(self, "device", torch.device(self.device))
 
     def impl(self) -> str:
-        """"native" or "triton": the implementation of the non-attention ops."""
+        """"native", "triton" or "cpu": the implementation of the non-attention ops."""
         if self.ops == "auto":
-            use = self.device.type == "cuda" and triton_available() and kernels_allowed_by_env()
-            return TRITON if use else NATIVE
+            if not kernels_allowed_by_env():
+                return NATIVE
+            if self.device.type == "cuda" and triton_available():
+                return TRITON
+            return CPU if self.device.type == "cpu" else NATIVE
         if self.ops == TRITON and not triton_available():
             raise ValueError("ops='triton' needs the triton package, which is not installed")
         return self.ops
 
     def attention_impl(self) -> str:
-        """"torch" or "triton": the attention backend's name."""
+        """"torch", "triton" or "cpu": the attention backend's name."""
         if self.attention == "auto":
-            return "triton" if self.impl() == TRITON else "torch"
+            return {TRITON: "triton", CPU: "cpu"}.get(self.impl(), "torch")
         if self.attention == "triton" and not triton_available():
             raise ValueError("attention='triton' needs the triton package, which is not installed")
         return self.attention
@@ -116,7 +125,7 @@ class CustomOp(nn.Module):
     The choice is kept as the plain function (not a bound method), so a module holds no reference cycle to itself
     and a deleted model's GPU memory is released at once."""
 
-    impl: str  # "native" or "triton": what ``forward`` runs
+    impl: str  # "native", "triton" or "cpu": what ``forward`` runs
 
     def __init__(self) -> None:
         super().__init__()
@@ -129,7 +138,13 @@ class CustomOp(nn.Module):
     def _set_impl(self, impl: str) -> None:
         self.impl = impl
         cls = type(self)
-        self._impl_fn: Callable[..., Any] = cls.forward_cuda if impl == TRITON else cls.forward_native
+        if impl == TRITON:
+            fn = cls.forward_cuda
+        elif impl == CPU and cls.forward_cpu is not CustomOp.forward_cpu:
+            fn = cls.forward_cpu
+        else:
+            fn = cls.forward_native
+        self._impl_fn: Callable[..., Any] = fn
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._impl_fn(self, *args, **kwargs)
@@ -139,6 +154,10 @@ class CustomOp(nn.Module):
 
     def forward_cuda(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
+
+    def forward_cpu(self, *args: Any, **kwargs: Any) -> Any:
+        """Overridden by ops with a CPU path; otherwise never called (``forward_native`` is chosen instead)."""
+        return self.forward_native(*args, **kwargs)
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -154,8 +173,8 @@ def select_ops(
 ) -> dict[str, str]:
     """Re-choose the implementation of every ``CustomOp`` in ``model`` (itself included), as if it had been built
     under ``op_selection(device, ops, attention)``. ``device`` defaults to where the model's first parameter lives.
-    Returns {module name: chosen implementation} ("native" or "triton"; an attention layer's backend is "torch" for
-    "native").
+    Returns {module name: chosen implementation} ("native", "triton" or "cpu"; an attention layer's backend is
+    "torch" for "native").
 
     The explicit way to switch a built model between the reference and the fast path, e.g. to compare both on the
     same weights; the engine never calls it while serving (a CUDA graph keeps the kernels it captured)."""
