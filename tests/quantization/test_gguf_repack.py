@@ -9,10 +9,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
-from rooflm.loader.gguf import dequantize_tensor, open_gguf
+from rooflm.loader.gguf import iter_gguf_tensors, open_gguf, read_gguf_config
 from rooflm.quantization.gguf_repack import (REPACKABLE_TYPES, UnsupportedGGUFType, gguf_to_packed,
                                              is_repackable)
-from rooflm.quantization.packed import codes, dequantize
+from rooflm.quantization.packed import PackedWeight, codes, dequantize
 
 N, K = 6, 768  # three 256-value super-blocks per row
 
@@ -126,15 +126,27 @@ def test_bad_input_names_the_field() -> None:
 
 
 def test_every_tensor_of_the_default_model_repacks_exactly(default_model_path) -> None:
-    """SmolLM2-135M-Instruct Q4_1: each block tensor repacked decodes to the values the dequantizing loader gives."""
+    """SmolLM2-135M-Instruct Q4_1: the loader's quantized path gives, tensor by tensor, the values of its
+    dequantizing path (q/k rows un-permuted alike), and the tied LM head packs the embedding's Q8_0 blocks."""
     reader = open_gguf(default_model_path)
-    repacked = 0
-    for t in reader.tensors:
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-        pw = gguf_to_packed(t.data, t.tensor_type, shape)
-        if pw is None:
-            assert t.tensor_type in (Q.F32, Q.F16, Q.BF16)
+    cfg = read_gguf_config(default_model_path)
+    assert cfg.tie_word_embeddings
+    floats = iter_gguf_tensors(reader, cfg)
+    packed = 0
+    embedding = None
+    for name, w in iter_gguf_tensors(reader, cfg, keep_quantized=True):
+        if name == "lm_head.weight":
+            assert isinstance(w, PackedWeight) and embedding is not None
+            assert torch.equal(dequantize(w), embedding)
             continue
-        repacked += 1
-        assert torch.equal(dequantize(pw), dequantize_tensor(t)), t.name
-    assert repacked > 0
+        ref_name, ref = next(floats)
+        assert name == ref_name
+        if isinstance(w, PackedWeight):
+            packed += 1
+            w = dequantize(w)
+        assert torch.equal(w, ref), name
+        if name == "model.embed_tokens.weight":
+            embedding = ref
+    assert next(floats, None) is None
+    quantized = [t for t in reader.tensors if t.tensor_type not in (Q.F32, Q.F16, Q.BF16)]
+    assert packed == len(quantized) - 1  # all but the embedding, which stays float

@@ -147,6 +147,10 @@ def _embedding_rows(reader) -> int:
     return int(t.shape[-1])
 
 
+def _torch_shape(t) -> tuple[int, ...]:
+    return tuple(int(n) for n in reversed(t.shape.tolist()))
+
+
 def dequantize_tensor(t) -> torch.Tensor:
     """One GGUF tensor as float32 torch, in torch dimension order (reverse of GGUF's)."""
     from gguf.quants import dequantize
@@ -155,8 +159,7 @@ def dequantize_tensor(t) -> torch.Tensor:
         arr = dequantize(t.data, t.tensor_type)
     except NotImplementedError:
         raise ValueError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which cannot be dequantized") from None
-    shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-    arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
+    arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(_torch_shape(t))
     if not arr.flags.writeable:  # a view of the read-only memory map (F32)
         arr = arr.copy()
     return torch.from_numpy(arr)
@@ -190,10 +193,6 @@ def unpermute_qk_packed(pw: PackedWeight, num_heads: int) -> PackedWeight:
     mins = None if pw.mins is None else unpermute_qk(pw.mins, num_heads)
     return replace(pw, qweight=unpermute_qk(pw.qweight, num_heads), scales=unpermute_qk(pw.scales, num_heads),
                    mins=mins)
-
-
-def _torch_shape(t) -> tuple[int, ...]:
-    return tuple(int(n) for n in reversed(t.shape.tolist()))
 
 
 def iter_gguf_tensors(reader, cfg: ModelConfig, keep_quantized: bool = False,
