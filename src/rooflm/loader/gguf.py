@@ -1,10 +1,13 @@
-"""GGUF files (llama.cpp / Ollama): architecture from the metadata, tensors dequantized with the ``gguf`` package.
+"""GGUF files (llama.cpp / Ollama): architecture from the metadata, tensors dequantized with the ``gguf`` package
+or, with ``iter_gguf_tensors(..., keep_quantized=True)``, kept in their block format as ``PackedWeight``s
+(``quantization.gguf_repack``).
 
 Two conversions undo what llama.cpp's converter did:
 - names: ``blk.{i}.attn_q.weight`` -> ``model.layers.{i}.self_attn.q_proj.weight`` etc. (HF names, so the models'
   ``load_weights`` serves both formats);
 - for the ``llama`` architecture the q/k projection rows are permuted for llama.cpp's interleaved rotary layout
-  (pairs (2i, 2i+1) instead of HF's halves (i, i + head_dim/2)); ``unpermute_qk`` restores HF's order.
+  (pairs (2i, 2i+1) instead of HF's halves (i, i + head_dim/2)); ``unpermute_qk`` (``unpermute_qk_packed`` for a
+  packed weight) restores HF's order.
 Shapes: GGUF lists dimensions fastest-first (ne0 = columns), so a tensor's torch shape is the reverse.
 """
 from __future__ import annotations
@@ -13,12 +16,15 @@ import logging
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from rooflm.config import ModelConfig
+from rooflm.quantization.gguf_repack import UnsupportedGGUFType, gguf_to_packed
+from rooflm.quantization.packed import PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +147,10 @@ def _embedding_rows(reader) -> int:
     return int(t.shape[-1])
 
 
+def _torch_shape(t) -> tuple[int, ...]:
+    return tuple(int(n) for n in reversed(t.shape.tolist()))
+
+
 def dequantize_tensor(t) -> torch.Tensor:
     """One GGUF tensor as float32 torch, in torch dimension order (reverse of GGUF's)."""
     from gguf.quants import dequantize
@@ -149,8 +159,7 @@ def dequantize_tensor(t) -> torch.Tensor:
         arr = dequantize(t.data, t.tensor_type)
     except NotImplementedError:
         raise ValueError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which cannot be dequantized") from None
-    shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-    arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
+    arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(_torch_shape(t))
     if not arr.flags.writeable:  # a view of the read-only memory map (F32)
         arr = arr.copy()
     return torch.from_numpy(arr)
@@ -178,25 +187,87 @@ def count_gguf_tensors(reader) -> int:
     return len(reader.tensors)
 
 
-def iter_gguf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 CPU tensor) for every weight of the file, dequantized, renamed and un-permuted."""
+def unpermute_qk_packed(pw: PackedWeight, num_heads: int) -> PackedWeight:
+    """``unpermute_qk`` for a packed weight: codes, scales and mins are all stored row by row, so permuting the
+    rows of each is exact (the column permutation ``perm`` is untouched)."""
+    mins = None if pw.mins is None else unpermute_qk(pw.mins, num_heads)
+    return replace(pw, qweight=unpermute_qk(pw.qweight, num_heads), scales=unpermute_qk(pw.scales, num_heads),
+                   mins=mins)
+
+
+def iter_gguf_tensors(reader, cfg: ModelConfig, keep_quantized: bool = False,
+                      dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+    """(HF name, weight) for every weight of the file, renamed and with llama's q/k rows un-permuted.
+
+    By default every weight is a float32 CPU tensor (dequantized). With ``keep_quantized`` each 2-D tensor in a
+    block format that repacks exactly (``gguf_repack.REPACKABLE_TYPES``) is yielded as a ``PackedWeight`` with
+    ``dtype`` scales, a stacked expert tensor as one PackedWeight per expert; other types are dequantized (logged
+    once per type). ``token_embd.weight`` is always float (an embedding lookup gathers rows); when the file ties the
+    LM head to it (no ``output.weight``), it is also yielded packed as ``lm_head.weight``, so the head's matmul
+    reads the file's quantized bytes."""
     arch = _meta(reader, "general.architecture")
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    unsupported_logged: set[str] = set()
+
+    def packed(t, data: np.ndarray, shape: tuple[int, ...]) -> PackedWeight | None:
+        if not keep_quantized or len(shape) != 2:
+            return None
+        try:
+            return gguf_to_packed(data, t.tensor_type, shape, dtype)
+        except UnsupportedGGUFType:
+            if t.tensor_type.name not in unsupported_logged:
+                unsupported_logged.add(t.tensor_type.name)
+                logger.warning("GGUF type %s has no packed int4/int8 form: dequantizing its tensors (first: %s)",
+                               t.tensor_type.name, t.name)
+            return None
+
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # folded into the config's rope_scaling
             continue
         m = _BLOCK_RE.match(t.name)
         if m and m.group(2) in _EXPERT_NAMES:  # stacked experts [E, out, in] -> one HF tensor per expert
+            prefix = f"model.layers.{m.group(1)}.block_sparse_moe.experts"
+            suffix = f"{_EXPERT_NAMES[m.group(2)]}.weight"
+            shape = _torch_shape(t)
+            first = packed(t, t.data[0], shape[1:]) if len(shape) == 3 else None
+            if first is not None:
+                yield f"{prefix}.0.{suffix}", first
+                for e in range(1, shape[0]):
+                    yield f"{prefix}.{e}.{suffix}", gguf_to_packed(t.data[e], t.tensor_type, shape[1:], dtype)
+                continue
             w = dequantize_tensor(t)
             for e in range(w.shape[0]):
-                yield f"model.layers.{m.group(1)}.block_sparse_moe.experts.{e}.{_EXPERT_NAMES[m.group(2)]}.weight", w[e]
+                yield f"{prefix}.{e}.{suffix}", w[e]
             continue
         hf = gguf_to_hf_name(t.name)
         if hf is None:
             logger.warning("ignoring GGUF tensor %s: no rooflm counterpart", t.name)
             continue
-        w = dequantize_tensor(t)
+        if t.name == "token_embd.weight":
+            yield hf, dequantize_tensor(t)
+            head = packed(t, t.data, _torch_shape(t)) if tied else None
+            if head is not None:
+                yield "lm_head.weight", head
+            continue
+        pw = packed(t, t.data, _torch_shape(t))
+        w = dequantize_tensor(t) if pw is None else pw
+        heads = None
         if arch == "llama" and m and m.group(2) == "attn_q":
-            w = unpermute_qk(w, cfg.num_attention_heads)
+            heads = cfg.num_attention_heads
         elif arch == "llama" and m and m.group(2) == "attn_k":
-            w = unpermute_qk(w, cfg.num_key_value_heads)
+            heads = cfg.num_key_value_heads
+        if heads is not None:
+            w = unpermute_qk(w, heads) if pw is None else unpermute_qk_packed(pw, heads)
         yield hf, w
+
+
+def gguf_weight_bytes(path: str, streamed_only: bool = False) -> int:
+    """Bytes of the file's weight tensors as stored (quantized blocks, not dequantized floats): the weight traffic
+    of the roofline. ``streamed_only`` leaves out ``token_embd.weight`` when the file has a separate LM head
+    (``output.weight``): decoding then gathers a few embedding rows per token instead of reading the matrix."""
+    reader = open_gguf(path)
+    names = {t.name for t in reader.tensors}
+    skip = {"rope_freqs.weight"}  # not a weight: folded into the rotary frequencies
+    if streamed_only and "output.weight" in names:
+        skip.add("token_embd.weight")
+    return sum(int(t.n_bytes) for t in reader.tensors if t.name not in skip)
