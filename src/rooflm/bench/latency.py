@@ -16,7 +16,8 @@ bandwidth by a 1 GiB device copy (bytes read + written) and the dense matmul rat
 roofline (``rooflm.roofline.analyze`` on those measured ceilings) gives the best possible TTFT and TPOT and the bytes a
 decode step must move; achieved GB/s = those bytes / measured TPOT. ``--baseline hf`` builds Hugging Face
 transformers' model of the same architecture in the same process, copies rooflm's weights into it, and times its
-eager ``generate`` on the same prompts, printing the speed-up.
+eager ``generate`` on the same prompts, printing the speed-up. ``--baseline llama.cpp`` times llama.cpp on the same
+GGUF file, prompt ids and thread count, in a child process, right after rooflm (``rooflm.bench.llamacpp``).
 """
 from __future__ import annotations
 
@@ -29,9 +30,13 @@ import time
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama-2-7b", help="named config, checkpoint folder or .gguf (default llama-2-7b)")
-    p.add_argument("--load-format", default="dummy", help="dummy (random weights; default), auto, safetensors, gguf")
-    p.add_argument("--dtype", default="float16", help="float16 (default), bfloat16 or float32")
+    p.add_argument("--model", default="llama-2-7b", help="named config, checkpoint folder or .gguf (default: the embedded SmolLM2-135M "
+                                                  "GGUF without a GPU, llama-2-7b with one)")
+    p.add_argument("--load-format", default="auto",
+                   help="auto (default: a named config gets random weights, a file or folder its own), dummy, "
+                        "safetensors, gguf")
+    p.add_argument("--dtype", default=None,
+                   help="float16, bfloat16 or float32 (default: float16 on a GPU, float32 on the CPU)")
     p.add_argument("--device", default="auto")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--input-len", type=int, default=1024)
@@ -46,8 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="token budget per step (default: max(2048, input_len), so one prompt is one prefill step)")
     p.add_argument("--kv-cache-memory-gib", type=float, default=None,
                    help="KV pool size (default: what the batch needs, plus 10%%)")
-    p.add_argument("--baseline", choices=["none", "hf"], default="none",
-                   help="hf: also time transformers' generate on the same weights and prompts")
+    p.add_argument("--baseline", choices=["none", "hf", "llama.cpp"], default="none",
+                   help="hf: also time transformers' generate on the same weights and prompts; llama.cpp: time "
+                        "llama.cpp (llama-cpp-python, same threads) on the same .gguf file and prompts (batch 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--profile", nargs="?", const="", default=None, metavar="FILE",
@@ -202,10 +208,14 @@ def run(args: argparse.Namespace) -> int:
     from rooflm.roofline.live import roofline_summary
 
     device = resolve_device(args.device)
+    if args.dtype is None:
+        args.dtype = "float16" if device.type == "cuda" else "float32"
     dtype = resolve_dtype(args.dtype, device)
     B, L_in, L_out = args.batch_size, args.input_len, args.output_len
     if min(B, L_in, L_out) < 1:
         raise ValueError("--batch-size, --input-len and --output-len must be >= 1")
+    if args.baseline == "llama.cpp":
+        _check_llamacpp_args(args, B)
     profiling = args.profile is not None or args.profile_trace is not None
     if profiling and device.type != "cuda":
         raise ValueError(f"--profile needs a CUDA device: it measures GPU idle time between decode steps "
@@ -292,6 +302,9 @@ def run(args: argparse.Namespace) -> int:
         del hf
         torch.cuda.empty_cache() if device.type == "cuda" else None
 
+    if args.baseline == "llama.cpp":
+        _llamacpp_baseline(res, engine, last_prompts, L_out)
+
     if profiling:
         res["profile"] = {}
         for b in sorted({1, B}):
@@ -302,6 +315,30 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1, default=str)
     return 0
+
+
+def _check_llamacpp_args(args: argparse.Namespace, batch: int) -> None:
+    from rooflm.bench.llamacpp import INSTALL_HINT, available
+
+    if batch != 1:
+        raise ValueError(f"--baseline llama.cpp runs one sequence at a time: use --batch-size 1 (got {batch})")
+    if not str(args.model).endswith(".gguf"):
+        raise ValueError(f"--baseline llama.cpp needs a .gguf --model, got {args.model!r}")
+    if not available():
+        raise ValueError(INSTALL_HINT)
+
+
+def _llamacpp_baseline(res: dict, engine, prompts: list[list[int]], output_len: int) -> None:
+    import torch
+
+    from rooflm.bench.llamacpp import run_baseline
+
+    threads = torch.get_num_threads()
+    base = run_baseline(engine.config.model, prompts, output_len, threads)
+    res["llama.cpp"] = {k: v for k, v in base.items() if k != "tokens"}
+    res["speedup_vs_llamacpp_decode"] = res["decode_tok_s"] / base["decode_tok_s"]
+    res["speedup_vs_llamacpp_e2e"] = res["e2e_tok_s"] / base["e2e_tok_s"]
+    res["threads"] = threads
 
 
 PROFILE_STEPS = 16
@@ -414,3 +451,11 @@ def _print(r: dict) -> None:
               f"decode {h['decode_tok_s']:.1f} tok/s  end-to-end {h['e2e_tok_s']:.1f} tok/s")
         print(f"  speed-up: decode {r['speedup_decode']:.1f}x, end-to-end {r['speedup_e2e']:.1f}x "
               f"(greedy tokens agree for the first {r['hf_greedy_tokens_agree_prefix']})")
+    if "llama.cpp" in r:
+        b = r["llama.cpp"]
+        repack = "" if b["repack_buffers"] else ", repacking buffers off (the build crashed with them)"
+        print(f"  llama.cpp {b['version']} ({b['threads']} threads{repack}): TTFT {b['ttft_s'] * 1e3:.1f} ms  "
+              f"TPOT {b['tpot_s'] * 1e3:.2f} ms  decode {b['decode_tok_s']:.1f} tok/s  end-to-end "
+              f"{b['e2e_tok_s']:.1f} tok/s")
+        print(f"  rooflm / llama.cpp: decode {r['speedup_vs_llamacpp_decode']:.2f}x, end-to-end "
+              f"{r['speedup_vs_llamacpp_e2e']:.2f}x")
