@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 # The CPU build of torch: an unpinned `torch` would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test setup clean
+.PHONY: demo test setup clean llama-cpp
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ test: setup
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "warning: chromium is missing and could not be installed: the HTML report test will fail"
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# Optional: llama.cpp as a baseline for `rooflm bench latency --baseline llama.cpp` (builds from source, ~5 min).
+llama-cpp: setup
+	$(PIP) install -q llama-cpp-python
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info
