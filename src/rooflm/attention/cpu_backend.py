@@ -80,8 +80,8 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
     if num_seqs == 1:
         seq_len = meta.seq_lens_cpu[0]
         blocks = meta.block_tables[0, : (seq_len + block_size - 1) // block_size].long()
-        k = kv_cache[0, blocks].flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-        v = kv_cache[1, blocks].flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
+        kv = kv_cache[:, blocks].flatten(1, 2)[:, :seq_len].transpose(1, 2)  # one gather: [2, Hkv, L, D]
+        k, v = kv[0:1], kv[1:2]
         qg = q.view(1, num_kv_heads, group, head_dim)  # query head h uses KV head h // group
         return F.scaled_dot_product_attention(qg, k, v, scale=scale).view(1, num_heads, head_dim)
     # several sequences: gather every table to the longest context and mask each sequence's tail
