@@ -210,6 +210,22 @@ def test_bad_input_names_the_field(call, field):
         call()
 
 
+@pytest.mark.parametrize("argv,flag", [
+    (["--compare", "none,w8a16", "--quantization", "w4a16"], "--compare"),
+    (["--max-tokens", "1"], "--max-tokens"),
+    (["--window", "8", "--stride", "9"], "stride"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+])
+def test_bad_flags_fail_before_loading(argv, flag, monkeypatch):
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded for a bad command line")
+
+    monkeypatch.setattr(ppl, "_evaluate_setting", no_load)
+    args = build_parser().parse_args(["bench", "perplexity", *argv])
+    with pytest.raises(ValueError, match=flag):
+        args.func(args)
+
+
 def test_compare_entries_take_the_kv_dtype_flag():
     assert ppl.parse_compare("none, w8a16,w4a16:fp8", "int8") == [("none", "int8"), ("w8a16", "int8"),
                                                                    ("w4a16", "fp8")]

@@ -244,7 +244,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--compare and --quantization are exclusive: list every setting in --compare")
     if not isinstance(args.max_num_batched_tokens, int) or args.max_num_batched_tokens < 1:
         raise ValueError(f"--max-num-batched-tokens {args.max_num_batched_tokens} is invalid: expected >= 1")
-    plan_windows(max(2, args.max_tokens), args.window, args.stride)  # check the flags before loading anything
+    if not isinstance(args.max_tokens, int) or args.max_tokens < 2:
+        raise ValueError(f"--max-tokens {args.max_tokens} is invalid: expected >= 2 (one context token, one scored)")
+    plan_windows(args.max_tokens, args.window, args.stride)  # check the flags before loading anything
     settings = (parse_compare(args.compare, args.kv_cache_dtype) if args.compare
                 else [(args.quantization, args.kv_cache_dtype)])
     for q, kv in settings:  # an option the engine lacks fails now, not after the first setting's run
