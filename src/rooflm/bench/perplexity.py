@@ -16,9 +16,10 @@ Each window is one engine request, ``SamplingParams(max_tokens=1, prompt_logprob
 P(token_p | tokens before p in the window) for every prompt position p (the actual token's logprob is always
 present, whatever k). Perplexity = exp(-mean logprob) over the scored tokens. The windows are prefilled in chunks
 of ``--max-num-batched-tokens`` tokens, so every chunk after the first reads the earlier chunks' keys and values
-back from the paged KV cache, as decoding does: a quantized KV cache (``--kv-cache-dtype``) changes the figure
-exactly as it changes generation. A window prefilled in one step would attend to its own unquantized keys and
-values and hide the KV cache's error.
+back from the paged KV cache, as decoding does: a quantized KV cache (``--kv-cache-dtype``) changes the figure as
+it changes generation, whatever the attention kernel. (rooflm's backends also read a chunk's own keys back from the
+cache, but a prefill kernel that takes the new keys and values as inputs attends to the fresh, unquantized ones, and
+a window prefilled in one step would then hide the KV cache's error.)
 
 ``--quantization`` / ``--kv-cache-dtype`` are handed to the engine only when given; ``--compare`` evaluates several
 settings (``QUANT`` or ``QUANT:KV_DTYPE``) one after the other in one run and prints each one's ratio to the first.
