@@ -2,7 +2,9 @@
 
 - ``serve``: load-test an OpenAI-compatible server over HTTP (``rooflm.bench.serving``);
 - ``latency`` / ``throughput``: the offline engine benchmarks (``rooflm.bench.latency`` / ``.throughput``), listed
-  only where those modules exist.
+  only where those modules exist;
+- ``perplexity``: the quality figure of a model and its quantization settings on a shipped text
+  (``rooflm.bench.perplexity``); it always defaults to the embedded model, as random weights have no quality.
 
 Each benchmark module exposes ``add_arguments(parser)`` and ``run(args) -> int``; it is imported when its
 sub-command runs, except that its ``add_arguments`` is needed to build the parser.
@@ -51,7 +53,9 @@ _BENCHMARKS = (
     ("throughput", "rooflm.bench.throughput", "offline throughput of the engine on a batch of requests"),
     ("spec", "rooflm.bench.speculative", "speculative decoding against plain decoding on the same prompts"),
     ("serve", "rooflm.bench.serving", "load-test an OpenAI-compatible server (TTFT, TPOT, ITL, throughput, goodput)"),
+    ("perplexity", "rooflm.bench.perplexity", "perplexity on a text excerpt, per quantization setting"),
 )
+_OWN_DEFAULTS = ("serve", "perplexity")  # sub-commands without the machine-dependent defaults
 
 
 def _module_exists(name: str) -> bool:
@@ -72,7 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip().split("\n\n")[0])
         module.add_arguments(p)
-        if name == "serve":
+        if name in _OWN_DEFAULTS:
             p.set_defaults(func=module.run)
             continue
         module_defaults = {k: p.get_default(k) for k in _MACHINE_DEFAULTS if p.get_default(k) is not None}
