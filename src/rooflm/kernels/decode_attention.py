@@ -167,7 +167,9 @@ def _decode_split_kernel(
             srow = _row_offsets(blk, offs_n, kvh, stride_sb, stride_ss, stride_sh, BLOCK_SIZE)
             k_sc = tl.load(ks_ptr + srow, mask=mask_n, other=0.0)  # [BLOCK_N]
             v_sc = tl.load(vs_ptr + srow, mask=mask_n, other=0.0)
-            k = k.to(q.dtype)  # exact; the scale multiplies the scores
+            # exact (through float32: Triton 3.9's interpreter converts int8 -> bfloat16 wrongly); the scale
+            # multiplies the scores
+            k = k.to(tl.float32).to(q.dtype)
             v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
         nxt = offs_n + step  # prefetch the next tile's block-table entries while K/V are in flight
         blk = tl.load(bt_row + nxt // BLOCK_SIZE, mask=nxt < seq_len, other=0)

@@ -86,7 +86,9 @@ def _prefill_kernel(
             srow = blk * stride_sb + (offs_n % BLOCK_SIZE) * stride_ss + kvh * stride_sh
             k_sc = tl.load(ks_ptr + srow, mask=mask_n, other=0.0)  # [BLOCK_N]
             v_sc = tl.load(vs_ptr + srow, mask=mask_n, other=0.0)
-            k = k.to(q.dtype)  # exact; the scale multiplies the scores
+            # exact (through float32: Triton 3.9's interpreter converts int8 -> bfloat16 wrongly); the scale
+            # multiplies the scores
+            k = k.to(tl.float32).to(q.dtype)
             v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
         s = dot(q, tl.trans(k), DOT_UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
         if KV_QUANT:
