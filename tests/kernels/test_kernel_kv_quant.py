@@ -97,7 +97,8 @@ def test_rotary_write_quantized(device, kv, head_dim, rot_dim):
     rotary_write_kv_cache(q, k, v, None, cos, sin, cache, slots)
     assert_close(q, q_ref, dtype, "rotary q")
     assert_close(k, k_ref, dtype, "rotary k")
-    check_quantized_close(cache, ref, what=f"rotary write {kv}")
+    # the twin rotates in float32 too, but a GPU may contract products into FMAs: k may be one ulp apart
+    check_quantized_close(cache, ref, what=f"rotary write {kv}", input_rel=torch.finfo(dtype).eps)
     written = torch.zeros(16, dtype=torch.bool)
     written[slots.cpu()[slots.cpu() >= 0]] = True
     written = written.view(2, 8).to(device)
