@@ -155,3 +155,21 @@ def test_chunked_prefill_reads_what_one_shot_reads(device):
             out = backend.attend(rq, cache, meta, 32 ** -0.5)
         outs.append(out[-(n - split):] if chunks[0][1] == n else out)
     assert_close(outs[1], outs[0], dtype, "chunked vs one-shot prefill over an int8 cache")
+
+
+@pytest.mark.parametrize("kv", KV)
+def test_decode_quantized_per_lane_softmax(device, kv):
+    """The dot-free loop with its softmax state kept per tile row (lanes=True) reads the scales too."""
+    from kernel_checks import make_paged
+
+    from rooflm.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+
+    g = torch.Generator().manual_seed(4)
+    lens = [3, 29, 50]
+    cache, tables = make_paged(lens, 2, 32, 8, torch.float16, device, gen=g, kv_cache_dtype=kv)
+    q = torch.randn(len(lens), 2, 32, generator=g).to(torch.float16).to(device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = paged_decode_attention(q, cache, tables, seq_lens, 32 ** -0.5, num_splits=2, use_dot=False, lanes=True,
+                                 block_n=16)
+    ref = paged_decode_attention_ref(q, cache, tables, seq_lens, 32 ** -0.5)
+    assert_close(out, ref, torch.float16, f"decode lanes kv={kv}")
