@@ -149,10 +149,10 @@ def check_backend(num_heads, num_kv_heads, head_dim, block_size, ctx_lens, q_len
     written[meta.slot_mapping] = True
     written = written.view(cache.shape[1], cache.shape[2])
     if kv_cache_dtype == "auto":
-        assert torch.equal(cache[:, ~written], cache_ref[:, ~written]), "the backend changed cache slots it was not given"
+        assert torch.equal(cache[:, ~written], cache_ref[:, ~written]), "the backend changed slots it was not given"
         assert_close(cache[:, written], cache_ref[:, written], dtype, "backend cache write")
     else:
-        assert torch.equal(cache.scales[:, ~written], cache_ref.scales[:, ~written]), "scales of slots not given changed"
+        assert torch.equal(cache.scales[:, ~written], cache_ref.scales[:, ~written]), "scales of other slots changed"
         assert torch.equal(cache.data.view(torch.uint8)[:, ~written], cache_ref.data.view(torch.uint8)[:, ~written])
         check_quantized_close(cache, cache_ref, written, "backend quantized cache write",
                               input_rel=2 * torch.finfo(dtype).eps)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rooflm.attention.kv_quant import kv_storage_dtype
 from rooflm.config import EngineConfig, ModelConfig
 from rooflm.engine.output_processor import OutputProcessor
 from rooflm.engine.request import Request
@@ -51,7 +52,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 def _kv_dtype_text(kv_cache_dtype: str, storage: torch.dtype) -> str:
-    """How the log names the cache's element type: "bfloat16", or "int8 + scales" for a quantized cache."""
+    """How the log names the cache's element type: "bfloat16", or "int8 + per-token scales" when quantized."""
     name = str(storage).removeprefix("torch.")
     return name if kv_cache_dtype == "auto" else f"{name} + per-token scales"
 
@@ -91,8 +92,6 @@ class LLMEngine:
         # The live roofline: each step's best possible time on this device's measured ceilings (measured before the
         # KV pool takes the memory the measurement needs).
         from rooflm.roofline.live import LiveRoofline
-
-        from rooflm.attention.kv_quant import kv_storage_dtype
 
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)  # the cache's element type
         self.roofline = LiveRoofline.for_engine(cfg, self.dtype, self.device, kv_dtype=self.kv_dtype)

@@ -440,7 +440,8 @@ def paged_decode_attention(
 
 
 def paged_decode_attention_ref(
-    q: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    q: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """The twin: gather each sequence's context and run float32 softmax attention (``attention.torch_ref``)."""
