@@ -11,6 +11,7 @@ from typing import Any
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority", "mlfq", "fair")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # vLLM's names; fp8 is float8_e4m3fn
 
 
 def _bad(cls: str, name: str, value: object, accepted: str) -> ValueError:
@@ -160,10 +161,15 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes for the KV pool; None: a default from the device
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None  # tests: an exact pool size
+    # "auto": the model's dtype; "int8" / "fp8" (float8_e4m3fn): one byte per value plus a float32 scale per token
+    # and KV head, about half the bytes of a 16-bit cache (rooflm.attention.kv_quant).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise _bad("CacheConfig", "block_size", self.block_size, "a positive integer")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise _bad("CacheConfig", "kv_cache_dtype", self.kv_cache_dtype, f"one of {KV_CACHE_DTYPES}")
         if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory < 1):
             raise _bad("CacheConfig", "kv_cache_memory", self.kv_cache_memory, "a positive number of bytes")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
@@ -212,6 +218,7 @@ class EngineConfig:
     tokenizer: str | None = None
     max_model_len: int | None = None  # None: min(model's max_position_embeddings, 2048 on CPU / 8192 on CUDA)
     kv_cache_memory: int | None = None
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "int8" | "fp8": see CacheConfig
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -250,6 +257,8 @@ class EngineConfig:
             raise _bad("EngineConfig", "load_format", self.load_format, f"one of {LOAD_FORMATS}")
         if self.dtype not in ("auto",) + SUPPORTED_DTYPES:
             raise _bad("EngineConfig", "dtype", self.dtype, f"'auto' or one of {SUPPORTED_DTYPES}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise _bad("EngineConfig", "kv_cache_dtype", self.kv_cache_dtype, f"one of {KV_CACHE_DTYPES}")
         if self.ops not in ("auto", "native", "triton", "cpu"):
             raise _bad("EngineConfig", "ops", self.ops, "'auto', 'native', 'triton' or 'cpu'")
         if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
@@ -277,4 +286,4 @@ class EngineConfig:
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching,
-                           self.num_gpu_blocks_override)
+                           self.num_gpu_blocks_override, kv_cache_dtype=self.kv_cache_dtype)

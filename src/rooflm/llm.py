@@ -17,8 +17,8 @@ class LLM:
     """An engine for offline batches. ``model=None`` loads the embedded default (SmolLM2-135M-Instruct).
 
     Keyword arguments are ``EngineConfig`` fields: load_format, dtype, device, tokenizer, max_model_len,
-    kv_cache_memory, block_size, max_num_batched_tokens, max_num_seqs, enable_prefix_caching, seed, enforce_eager,
-    attention_backend, num_gpu_blocks_override, show_progress.
+    kv_cache_memory, kv_cache_dtype ("auto" | "int8" | "fp8"), block_size, max_num_batched_tokens, max_num_seqs,
+    enable_prefix_caching, seed, enforce_eager, attention_backend, num_gpu_blocks_override, show_progress.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

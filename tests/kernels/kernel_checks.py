@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from rooflm.attention.kv_quant import qmax
+
 TOL = {torch.float16: (2e-3, 1e-2), torch.bfloat16: (1.6e-2, 2e-2), torch.float32: (1e-4, 1e-4)}
 
 
@@ -19,14 +21,29 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what:
     torch.testing.assert_close(out.float(), ref.float(), atol=atol * scale, rtol=rtol, msg=lambda m: f"{what}: {m}")
 
 
+def quantize_cache(cache: torch.Tensor, kv_cache_dtype: str):
+    """A QuantizedKVCache holding ``cache`` quantized ("int8" / "fp8"), or ``cache`` itself for "auto"."""
+    from rooflm.attention.kv_quant import QuantizedKVCache, kv_storage_dtype, quantize_rows
+
+    if kv_cache_dtype == "auto":
+        return cache
+    data, scales = quantize_rows(cache, kv_storage_dtype(kv_cache_dtype, cache.dtype))
+    return QuantizedKVCache(data, scales)
+
+
 def make_paged(
     lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, device: str,
-    extra_blocks: int = 3, gen: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random KV cache and block tables whose blocks are scattered (a random permutation), padded with 0."""
+    extra_blocks: int = 3, gen: torch.Generator | None = None, kv_cache_dtype: str = "auto",
+):
+    """A random KV cache (quantized unless ``kv_cache_dtype`` is "auto") and block tables whose blocks are scattered
+    (a random permutation), padded with 0. Rows get magnitudes from 1e-3 to 10, so per-row scales matter."""
     need = [math.ceil(n / block_size) for n in lens]
     num_blocks = sum(need) + extra_blocks
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    cache = torch.randn(shape, generator=gen)
+    if kv_cache_dtype != "auto":
+        cache = cache * 10 ** (4 * torch.rand(shape[:-1], generator=gen)[..., None] - 3)
+    cache = quantize_cache(cache.to(dtype).to(device), kv_cache_dtype)
     perm = torch.randperm(num_blocks, generator=gen)
     tables = torch.zeros(len(lens), max(need + [1]) + 1, dtype=torch.int32)
     i = 0
@@ -37,28 +54,33 @@ def make_paged(
 
 
 def check_decode(num_heads, num_kv_heads, head_dim, block_size, lens, window=None, num_splits=None,
-                 dtype=torch.float16, device="cpu", seed=0, fused_reduce=False, block_n=None):
+                 dtype=torch.float16, device="cpu", seed=0, fused_reduce=False, block_n=None, kv_cache_dtype="auto",
+                 use_dot=None):
     from rooflm.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 
     g = torch.Generator().manual_seed(seed)
-    cache, tables = make_paged(lens, num_kv_heads, head_dim, block_size, dtype, device, gen=g)
+    cache, tables = make_paged(lens, num_kv_heads, head_dim, block_size, dtype, device, gen=g,
+                               kv_cache_dtype=kv_cache_dtype)
     q = torch.randn(len(lens), num_heads, head_dim, generator=g).to(dtype).to(device)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, cache, tables, seq_lens, scale, window, num_splits=num_splits, out=out,
-                           fused_reduce=fused_reduce, block_n=block_n)
+                           fused_reduce=fused_reduce, block_n=block_n, use_dot=use_dot)
     ref = paged_decode_attention_ref(q, cache, tables, seq_lens, scale, window)
-    assert_close(out, ref, dtype, f"decode H={num_heads} Hkv={num_kv_heads} D={head_dim} lens={lens} w={window}")
+    assert_close(out, ref, dtype, f"decode H={num_heads} Hkv={num_kv_heads} D={head_dim} lens={lens} w={window} "
+                                  f"kv={kv_cache_dtype}")
 
 
-def make_step(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, gen):
+def make_step(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, gen,
+              kv_cache_dtype="auto"):
     """Random q/k/v for one step whose sequences have ``ctx_lens`` cached tokens and ``q_lens`` new ones, plus the
     AttentionMetadata with slots pointing into each sequence's blocks."""
     from rooflm.attention.backend import AttentionMetadata
 
     seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
-    cache, tables = make_paged(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, gen=gen)
+    cache, tables = make_paged(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, gen=gen,
+                               kv_cache_dtype=kv_cache_dtype)
     slots = []
     for i, (c, n) in enumerate(zip(ctx_lens, q_lens)):
         for p in range(c, c + n):
@@ -85,33 +107,37 @@ def make_step(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, d
 
 
 def check_prefill(num_heads, num_kv_heads, head_dim, block_size, ctx_lens, q_lens, window=None,
-                  dtype=torch.float16, device="cpu", seed=0, tiles=None):
+                  dtype=torch.float16, device="cpu", seed=0, tiles=None, kv_cache_dtype="auto"):
     from rooflm.kernels.kv_cache import write_kv_cache
     from rooflm.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 
     g = torch.Generator().manual_seed(seed)
-    q, k, v, cache, meta = make_step(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, g)
+    q, k, v, cache, meta = make_step(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, g,
+                                     kv_cache_dtype)
     write_kv_cache(k, v, cache, meta.slot_mapping)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
     paged_prefill_attention(q, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.max_query_len,
                             scale, window, out=out, tiles=tiles)
     ref = paged_prefill_attention_ref(q, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, window)
-    assert_close(out, ref, dtype, f"prefill H={num_heads} Hkv={num_kv_heads} ctx={ctx_lens} q={q_lens} w={window}")
+    assert_close(out, ref, dtype, f"prefill H={num_heads} Hkv={num_kv_heads} ctx={ctx_lens} q={q_lens} w={window} "
+                                  f"kv={kv_cache_dtype}")
 
 
 def check_backend(num_heads, num_kv_heads, head_dim, block_size, ctx_lens, q_lens, window=None,
-                  dtype=torch.float16, device="cpu", seed=0, backend_cls=None):
+                  dtype=torch.float16, device="cpu", seed=0, kv_cache_dtype="auto", backend_cls=None):
     """A backend (TritonAttention by default) against TorchRefAttention through the whole protocol a model calls
     (rotary_and_write, then attend): same rotated queries, same cache afterwards (cache slots not written must be
-    untouched), same output."""
+    untouched), same output. A quantized cache is compared dequantized, within one quantization step of the
+    reference's values."""
     from rooflm.attention.torch_ref import TorchRefAttention
 
     if backend_cls is None:
         from rooflm.attention.triton_backend import TritonAttention as backend_cls
 
     g = torch.Generator().manual_seed(seed)
-    q, k, v, cache, meta = make_step(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, g)
+    q, k, v, cache, meta = make_step(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, g,
+                                     kv_cache_dtype)
     angles = 100 * torch.rand(q.shape[0], head_dim // 2, generator=g)  # per-token rows, as the model passes them
     cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
     scale = head_dim ** -0.5
@@ -125,9 +151,41 @@ def check_backend(num_heads, num_kv_heads, head_dim, block_size, ctx_lens, q_len
     written = torch.zeros(cache.shape[1] * cache.shape[2], dtype=torch.bool, device=device)
     written[meta.slot_mapping] = True
     written = written.view(cache.shape[1], cache.shape[2])
-    assert torch.equal(cache[:, ~written], cache_ref[:, ~written]), "the backend changed cache slots it was not given"
-    assert_close(cache[:, written], cache_ref[:, written], dtype, "backend cache write")
+    if kv_cache_dtype == "auto":
+        assert torch.equal(cache[:, ~written], cache_ref[:, ~written]), "the backend changed slots it was not given"
+        assert_close(cache[:, written], cache_ref[:, written], dtype, "backend cache write")
+    else:
+        assert torch.equal(cache.scales[:, ~written], cache_ref.scales[:, ~written]), "scales of other slots changed"
+        assert torch.equal(cache.data.view(torch.uint8)[:, ~written], cache_ref.data.view(torch.uint8)[:, ~written])
+        check_quantized_close(cache, cache_ref, written, "backend quantized cache write",
+                              input_rel=2 * torch.finfo(dtype).eps)
+        # attention on the very cache the kernel wrote: as close as without quantization
+        same = TorchRefAttention().attend(rq, cache, meta, scale, window)
+        assert_close(out, same, dtype, f"backend attend ctx={ctx_lens} q={q_lens} w={window} kv={kv_cache_dtype}")
+        # end to end: a key one quantization step away (from a last-bit difference in the rotation) moves the output
+        # by up to ~1e-2 at these magnitudes
+        assert_close(out, ref, dtype, f"backend ctx={ctx_lens} q={q_lens} w={window} kv={kv_cache_dtype}", scale=8)
+        return
     assert_close(out, ref, dtype, f"backend ctx={ctx_lens} q={q_lens} w={window}")
+
+
+def check_quantized_close(cache, ref, slots_mask=None, what="quantized cache", input_rel=0.0) -> None:
+    """Two quantized caches written from nearly the same inputs: scales within float rounding of each other and
+    dequantized values within one quantization step, plus ``input_rel`` times the row's largest element where the
+    inputs themselves differ (the torch reference rotates keys in 16-bit arithmetic, the kernel in float32)."""
+    sel = (lambda t: t[:, slots_mask]) if slots_mask is not None else (lambda t: t)
+    s, sr = sel(cache.scales), sel(ref.scales)
+    torch.testing.assert_close(s, sr, rtol=1e-5 + 2 * input_rel, atol=0, msg=lambda m: f"{what} scales: {m}")
+    a, b = sel(cache.dequantize()), sel(ref.dequantize())
+    scale = torch.maximum(s, sr)[..., None]
+    if cache.dtype == torch.int8:
+        step = scale
+    else:  # one e4m3 step: 2^-3 of the value (3 mantissa bits), 2^-9 of the scale among the subnormals
+        step = torch.maximum(a.abs(), b.abs()) / 8 + scale / 512
+    step = step + input_rel * scale * qmax(cache.dtype)
+    err = (a - b).abs()
+    assert not torch.isnan(err).any(), f"{what}: NaN"
+    assert (err <= step * 1.001 + 1e-7).all(), f"{what}: {(err / step).max().item():.3f} steps apart"
 
 
 def check_write_kv(num_tokens, num_kv_heads, head_dim, dtype=torch.float16, device="cpu", seed=0):

@@ -26,6 +26,14 @@ def test_cpu_backend_matches_reference(case, dtype):
     check_backend(heads, kv_heads, head_dim, block, ctx, new, window, dtype=dtype, backend_cls=CpuAttention)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("case", [CASES[2], CASES[3], CASES[4], CASES[6]])
+def test_cpu_backend_with_a_quantized_cache(case, kv_cache_dtype):
+    heads, kv_heads, head_dim, block, ctx, new, window = case
+    check_backend(heads, kv_heads, head_dim, block, ctx, new, window, dtype=torch.float32,
+                  kv_cache_dtype=kv_cache_dtype, backend_cls=CpuAttention)
+
+
 def test_auto_chooses_cpu_backend_on_cpu_only():
     assert OpSelection(torch.device("cpu")).attention_impl() == "cpu"
     assert OpSelection(torch.device("cpu")).impl() == "cpu"

@@ -7,7 +7,9 @@ Before attending, a backend writes each new token's K/V into the paged cache at 
 (``slot = block_id * block_size + offset``; a slot of -1 is not written). Sequence ``i``'s context lives in the blocks
 ``block_tables[i, : ceil(seq_lens[i] / block_size)]``.
 
-KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 keys, 1 values).
+KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 keys, 1 values), or with
+``kv_cache_dtype`` "int8" / "fp8" a ``QuantizedKVCache`` (``attention/kv_quant.py``): values of that shape plus one
+float32 scale per (K or V, slot, KV head). Every backend accepts both.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from rooflm.attention.kv_quant import KVCache, QuantizedKVCache, write_quantized
 
 
 @dataclass
@@ -61,7 +65,7 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         cos: torch.Tensor,  # [num_tokens, head_dim // 2]: row t is token t's angles (q's dtype)
         sin: torch.Tensor,  # [num_tokens, head_dim // 2]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: KVCache,  # [2, num_blocks, block_size, num_kv_heads, head_dim] (+ scales when quantized)
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # rotated (q, k); a backend may rotate the inputs in place and return them
         ...
@@ -69,7 +73,7 @@ class AttentionBackend(Protocol):
     def attend(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated
-        kv_cache: torch.Tensor,  # holds every context token of the step's sequences, the new ones included
+        kv_cache: KVCache,  # holds every context token of the step's sequences, the new ones included
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
@@ -77,8 +81,12 @@ class AttentionBackend(Protocol):
         ...
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter new keys/values into the paged cache. k, v: [num_tokens, num_kv_heads, head_dim]."""
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
+    """Scatter new keys/values into the paged cache (quantizing them for a ``QuantizedKVCache``).
+    k, v: [num_tokens, num_kv_heads, head_dim]."""
+    if isinstance(kv_cache, QuantizedKVCache):
+        write_quantized(k, v, kv_cache, slot_mapping)
+        return
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
     valid = slot_mapping >= 0

@@ -23,6 +23,15 @@ import torch
 import torch.nn.functional as F
 
 from rooflm.attention.backend import AttentionMetadata, write_kv_cache
+from rooflm.attention.kv_quant import QuantizedKVCache, gather_blocks
+
+
+def _gather(kv_cache, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys and values of ``blocks`` in one tensor [2, *blocks.shape, block_size, num_kv_heads, head_dim] of
+    ``dtype`` (a quantized cache is dequantized as it is gathered)."""
+    if isinstance(kv_cache, QuantizedKVCache):
+        return torch.stack((gather_blocks(kv_cache, 0, blocks), gather_blocks(kv_cache, 1, blocks))).to(dtype)
+    return kv_cache[:, blocks]
 
 
 class CpuAttention:
@@ -66,9 +75,8 @@ class CpuAttention:
             if e == s:
                 continue
             blocks = meta.block_tables[i, : (seq_len + block_size - 1) // block_size].long()
-            k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]  # [L, Hkv, D]
-            v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
-            out[s:e] = _prefill_one(q[s:e], k, v, scale, sliding_window)
+            kv = _gather(kv_cache, blocks, q.dtype).flatten(1, 2)[:, :seq_len]  # [2, L, Hkv, D]
+            out[s:e] = _prefill_one(q[s:e], kv[0], kv[1], scale, sliding_window)
         return out
 
 
@@ -80,7 +88,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
     if num_seqs == 1:
         seq_len = meta.seq_lens_cpu[0]
         blocks = meta.block_tables[0, : (seq_len + block_size - 1) // block_size].long()
-        kv = kv_cache[:, blocks].flatten(1, 2)[:, :seq_len].transpose(1, 2)  # one gather: [2, Hkv, L, D]
+        kv = _gather(kv_cache, blocks, q.dtype).flatten(1, 2)[:, :seq_len].transpose(1, 2)  # [2, Hkv, L, D]
         k, v = kv[0:1], kv[1:2]
         qg = q.view(1, num_kv_heads, group, head_dim)  # query head h uses KV head h // group
         return F.scaled_dot_product_attention(qg, k, v, scale=scale).view(1, num_heads, head_dim)
@@ -88,8 +96,8 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
     max_blocks = (meta.max_seq_len + block_size - 1) // block_size
     tables = meta.block_tables[:, :max_blocks].long()
     length = max_blocks * block_size
-    k = kv_cache[0][tables].view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)  # [S, Hkv, L, D]
-    v = kv_cache[1][tables].view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
+    kv = _gather(kv_cache, tables, q.dtype).view(2, num_seqs, length, num_kv_heads, head_dim).transpose(2, 3)
+    k, v = kv[0], kv[1]  # [S, Hkv, L, D]
     lens = torch.tensor(meta.seq_lens_cpu, device=q.device)
     mask = (torch.arange(length, device=q.device)[None, :] < lens[:, None])[:, None, None, :]  # [S, 1, 1, L]
     qg = q.view(num_seqs, num_kv_heads, group, head_dim)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from rooflm.attention.backend import AttentionMetadata
+from rooflm.attention.kv_quant import KVCache, allocate_kv_cache
 
 
 def build_attention_metadata(
@@ -52,8 +53,9 @@ def single_sequence_metadata(
 
 def allocate_kv_caches(
     num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-    dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-) -> list[torch.Tensor]:
-    """Zeroed per-layer caches [2, num_blocks, block_size, num_kv_heads, head_dim]."""
-    return [torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", kv_cache_dtype: str = "auto",
+) -> list[KVCache]:
+    """Zeroed per-layer caches [2, num_blocks, block_size, num_kv_heads, head_dim] in ``dtype``, or quantized ones
+    (``QuantizedKVCache``) for ``kv_cache_dtype`` "int8" / "fp8"."""
+    return [allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype, device)
             for _ in range(num_layers)]

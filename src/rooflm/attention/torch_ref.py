@@ -1,23 +1,25 @@
 """Reference attention over the paged KV cache in plain torch: the CPU path and the oracle for every GPU kernel.
 
 Obviously correct, not fast: for each sequence it gathers the context from the block table and runs masked softmax
-attention in float32.
+attention in float32. A quantized cache (``QuantizedKVCache``) is dequantized to float32 as its blocks are gathered.
 """
 from __future__ import annotations
 
 import torch
 
 from rooflm.attention.backend import AttentionMetadata, write_kv_cache
+from rooflm.attention.kv_quant import KVCache, gather_blocks
 from rooflm.layers.rotary import apply_rotary
 
 
-def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of one sequence's first ``seq_len`` positions: each [seq_len, num_kv_heads, head_dim]."""
+def gather_context(kv_cache: KVCache, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of one sequence's first ``seq_len`` positions: each [seq_len, num_kv_heads, head_dim] (float32
+    when the cache is quantized)."""
     block_size = kv_cache.shape[2]
     n_blocks = (seq_len + block_size - 1) // block_size
     blocks = block_table[:n_blocks].long()
-    k = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len]
-    v = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len]
+    k = gather_blocks(kv_cache, 0, blocks).reshape(-1, *kv_cache.shape[3:])[:seq_len]
+    v = gather_blocks(kv_cache, 1, blocks).reshape(-1, *kv_cache.shape[3:])[:seq_len]
     return k, v
 
 
@@ -46,7 +48,7 @@ def attend(
 
 def attend_decode_batched(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one new token per sequence, already in the cache
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: KVCache,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks]
     seq_lens: torch.Tensor,  # [num_seqs]
     scale: float,
@@ -59,8 +61,8 @@ def attend_decode_batched(
     group = num_heads // num_kv_heads
     max_len = block_tables.shape[1] * block_size
     tables = block_tables.long()
-    k = kv_cache[0][tables].reshape(num_seqs, max_len, num_kv_heads, head_dim).float()  # [S, L, Hkv, D]
-    v = kv_cache[1][tables].reshape(num_seqs, max_len, num_kv_heads, head_dim).float()
+    k = gather_blocks(kv_cache, 0, tables).reshape(num_seqs, max_len, num_kv_heads, head_dim).float()  # [S, L, Hkv, D]
+    v = gather_blocks(kv_cache, 1, tables).reshape(num_seqs, max_len, num_kv_heads, head_dim).float()
     qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)  # GQA: no K/V repeat
     scores = torch.einsum("shgd,slhd->shgl", qg, k) * scale  # [S, Hkv, G, L]
     k_pos = torch.arange(max_len, device=q.device)[None, :]
@@ -81,7 +83,7 @@ class TorchRefAttention:
     name = "torch"
 
     def rotary_and_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                         kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns new rotated tensors (the inputs are left as they are)."""
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
@@ -91,7 +93,7 @@ class TorchRefAttention:
     def attend(
         self,
         q: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,

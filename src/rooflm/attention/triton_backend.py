@@ -7,13 +7,15 @@ Same contract as ``TorchRefAttention`` (see ``attention/backend.py``), which is 
      it reads only device tensors and a split count fixed by the batch shape, so the step can be captured in a CUDA
      graph; any other step (prefill, chunked prefill, prefix-cache hits, mixed batches) runs the paged prefill/extend
      kernel (FlashAttention-style, causal, cached prefix, optional sliding window).
-GQA is handled inside the kernels; K/V are never repeated.
+GQA is handled inside the kernels; K/V are never repeated. A quantized cache (``QuantizedKVCache``) is quantized by
+the write kernel and dequantized in registers by both attention kernels.
 """
 from __future__ import annotations
 
 import torch
 
 from rooflm.attention.backend import AttentionMetadata
+from rooflm.attention.kv_quant import KVCache
 from rooflm.kernels.decode_attention import paged_decode_attention
 from rooflm.kernels.kv_cache import rotary_write_kv_cache
 from rooflm.kernels.prefill_attention import paged_prefill_attention
@@ -25,14 +27,14 @@ class TritonAttention:
     name = "triton"
 
     def rotary_and_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                         kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """One kernel: rotates q and k in place (and returns them) and writes k, v into the cache."""
         return rotary_write_kv_cache(q, k, v, None, cos, sin, kv_cache, meta.slot_mapping, is_neox=True)
 
     def attend(
         self,
         q: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rooflm.attention.kv_quant import kv_storage_dtype
 from rooflm.config import EngineConfig, ModelConfig
 from rooflm.engine.output_processor import OutputProcessor
 from rooflm.engine.request import Request
@@ -48,6 +49,12 @@ def resolve_device(device: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} asked for, but CUDA is not available here")
     return dev
+
+
+def _kv_dtype_text(kv_cache_dtype: str, storage: torch.dtype) -> str:
+    """How the log names the cache's element type: "bfloat16", or "int8 + per-token scales" when quantized."""
+    name = str(storage).removeprefix("torch.")
+    return name if kv_cache_dtype == "auto" else f"{name} + per-token scales"
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -86,7 +93,8 @@ class LLMEngine:
         # KV pool takes the memory the measurement needs).
         from rooflm.roofline.live import LiveRoofline
 
-        self.roofline = LiveRoofline.for_engine(cfg, self.dtype, self.device)
+        self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)  # the cache's element type
+        self.roofline = LiveRoofline.for_engine(cfg, self.dtype, self.device, kv_dtype=self.kv_dtype)
         num_blocks = self._num_blocks(cfg)
         self.max_model_len = self._max_model_len(cfg, num_blocks)
         self.eos_token_ids = self._eos_ids(cfg)
@@ -94,9 +102,10 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.eos_token_ids)
         self.runner = ModelRunner(self.model, cfg, num_blocks, config.block_size, self.device, self.dtype,
-                                  config.max_num_seqs, self.max_model_len, self.eos_token_ids)
+                                  config.max_num_seqs, self.max_model_len, self.eos_token_ids,
+                                  kv_cache_dtype=config.kv_cache_dtype)
         self.output_processor = OutputProcessor(tokenizer, frozenset(self.eos_token_ids))
-        per_block = kv_bytes_per_block(cfg, config.block_size, self.dtype)
+        per_block = kv_bytes_per_block(cfg, config.block_size, self.dtype, config.kv_cache_dtype)
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         from rooflm.spec_decode.config import SpeculativeConfig
@@ -108,8 +117,9 @@ class LLMEngine:
             # Drafts are proposed from the tokens of the step just read back, so steps cannot overlap.
             self.async_scheduling = False
             self.proposer = SpeculativeProposer(self.spec_config, self.roofline, self.max_model_len)
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), at most %d tokens; max_model_len=%d; %s on %s%s",
-                    num_blocks, config.block_size, num_blocks * per_block / 2**20, num_blocks * config.block_size,
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB of %s), at most %d tokens; max_model_len=%d; "
+                    "%s on %s%s", num_blocks, config.block_size, num_blocks * per_block / 2**20,
+                    _kv_dtype_text(config.kv_cache_dtype, self.kv_dtype), num_blocks * config.block_size,
                     self.max_model_len, str(self.dtype).removeprefix("torch."), self.device,
                     "; asynchronous scheduling" if self.async_scheduling else "")
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -124,14 +134,14 @@ class LLMEngine:
         c = self.config
         if c.num_gpu_blocks_override is not None:
             return c.num_gpu_blocks_override
-        per_block = kv_bytes_per_block(cfg, c.block_size, self.dtype)
+        per_block = kv_bytes_per_block(cfg, c.block_size, self.dtype, c.kv_cache_dtype)
         budget = c.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":
                 # What the weights and a profiled forward pass at the batch limits leave of the allowed share
                 # (nano-vllm's and vLLM's rule: size the pool from measured peaks, not a guess).
                 peak = profile_activation_bytes(self.model, cfg, c.max_num_batched_tokens, c.max_num_seqs,
-                                                c.block_size, self.device, self.dtype)
+                                                c.block_size, self.device, self.dtype, c.kv_cache_dtype)
                 free, total = torch.cuda.mem_get_info(self.device)
                 budget = int(total * c.gpu_memory_utilization) - (total - free) - peak - _CUDA_GRAPH_RESERVE
                 logger.info("KV sizing: %.2f GiB in use, activation peak %.2f GiB, %.2f GiB left for the KV pool",

@@ -11,6 +11,7 @@ _HELP = {
     "load_format": "auto | safetensors | gguf | dummy (random weights from the config)",
     "dtype": "auto | float32 | float16 | bfloat16",
     "kv_cache_memory": "bytes for the KV-cache pool (suffixes K, M, G accepted)",
+    "kv_cache_dtype": "auto (the model's dtype) | int8 | fp8: a quantized KV cache holds about twice the tokens",
     "max_num_batched_tokens": "token budget of one engine step (chunked prefill)",
     "async_scheduling": "schedule step N+1 while step N runs on the GPU (auto: on for CUDA, off on the CPU)",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV pool",

@@ -32,7 +32,10 @@
 #
 # Shapes and invariants:
 #   q            [num_seqs, num_heads, head_dim]        one new token per sequence (its K/V already in the cache)
-#   kv_cache     [2, num_blocks, block_size, num_kv_heads, head_dim], last dim contiguous
+#   kv_cache     [2, num_blocks, block_size, num_kv_heads, head_dim], last dim contiguous; or a QuantizedKVCache
+#                (int8 / fp8 values + float32 scales [2, num_blocks, block_size, num_kv_heads]): a K tile is used as
+#                is (int8 and e4m3 values are exact in fp16 / bf16) and its per-token scales multiply the scores; a
+#                V tile is dequantized in registers before the product with the probabilities
 #   block_tables [num_seqs, max_blocks] int32;  seq_lens [num_seqs] int32 (0 allowed: padded rows of a CUDA graph)
 #   out          [num_seqs, num_heads, head_dim]
 # Query of sequence i sits at position seq_lens[i] - 1 and sees positions [max(0, seq_len - window), seq_len).
@@ -53,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rooflm.attention.kv_quant import QuantizedKVCache
 from rooflm.kernels._tl import dot, dot_upcast
 from rooflm.kernels._utils import check_last_dim_contiguous, device_sms, interpreting, next_pow2
 
@@ -80,7 +84,7 @@ def _row_offsets(blk, offs_n, kvh, stride_kb, stride_ks, stride_kh, BLOCK_SIZE: 
 
 @triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr,  # DIRECT: [num_seqs, num_heads, head_dim] in q's dtype; else partials [num_seqs, num_heads, S, D] fp32
     lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] fp32, log2 domain (unused when DIRECT)
     final_ptr,  # FUSED_REDUCE: [num_seqs, num_heads, head_dim] in q's dtype
@@ -90,6 +94,7 @@ def _decode_split_kernel(
     max_tokens,  # block_tables.shape[1] * BLOCK_SIZE: the table entries that exist
     stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,  # cache strides: block, slot in block, kv head (shared by K and V)
+    stride_sb, stride_ss, stride_sh,  # KV_QUANT: the scales' strides, the same three dimensions
     stride_bt,
     stride_os, stride_oh, stride_osplit,
     stride_fs, stride_fh,
@@ -105,6 +110,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # the cache holds int8 / fp8 values with per-(token, head) scales
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -157,10 +163,20 @@ def _decode_split_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D]
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # issued with K
+        if KV_QUANT:
+            srow = _row_offsets(blk, offs_n, kvh, stride_sb, stride_ss, stride_sh, BLOCK_SIZE)
+            k_sc = tl.load(ks_ptr + srow, mask=mask_n, other=0.0)  # [BLOCK_N]
+            v_sc = tl.load(vs_ptr + srow, mask=mask_n, other=0.0)
+            # exact (through float32: Triton 3.9's interpreter converts int8 -> bfloat16 wrongly); the scale
+            # multiplies the scores
+            k = k.to(tl.float32).to(q.dtype)
+            v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
         nxt = offs_n + step  # prefetch the next tile's block-table entries while K/V are in flight
         blk = tl.load(bt_row + nxt // BLOCK_SIZE, mask=nxt < seq_len, other=0)
         if USE_DOT:
             s = dot(q, tl.trans(k), DOT_UPCAST) * qk_scale  # [GROUP_PAD, BLOCK_N]
+            if KV_QUANT:
+                s = s * k_sc[None, :]
             s = tl.where(mask_n[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
@@ -170,6 +186,8 @@ def _decode_split_kernel(
             m_i = m_new
         elif LANES:
             s = tl.sum(k.to(tl.float32) * qv[None, :], 1)  # [BLOCK_N]
+            if KV_QUANT:
+                s = s * k_sc
             s = tl.where(mask_n, s, float("-inf"))
             m_new = tl.maximum(m_r, s)
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing stays at 0
@@ -180,6 +198,8 @@ def _decode_split_kernel(
             m_r = m_new
         else:
             s = tl.sum(k.to(tl.float32) * qv[None, :], 1)  # [BLOCK_N]
+            if KV_QUANT:
+                s = s * k_sc
             s = tl.where(mask_n, s, float("-inf"))
             m_new = tl.maximum(m_s, tl.max(s, 0))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -331,7 +351,7 @@ def default_plan(num_seqs: int, num_kv_heads: int, group: int, num_sms: int, max
 
 def paged_decode_attention(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor | QuantizedKVCache,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
@@ -355,7 +375,9 @@ def paged_decode_attention(
     if cache_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"q {tuple(q.shape)} does not fit kv_cache {tuple(kv_cache.shape)}")
     check_last_dim_contiguous("q", q)
-    check_last_dim_contiguous("kv_cache", kv_cache)
+    quant = isinstance(kv_cache, QuantizedKVCache)
+    data = kv_cache.data if quant else kv_cache
+    check_last_dim_contiguous("kv_cache", data)
     group = num_heads // num_kv_heads
     if use_dot is False and group > 1:
         raise ValueError(f"use_dot=False needs num_heads == num_kv_heads; got {num_heads} and {num_kv_heads}")
@@ -375,7 +397,8 @@ def paged_decode_attention(
         num_warps = num_warps or plan.num_warps
         num_stages = num_stages or plan.num_stages
     use_pdl = bool(pdl) and pdl_supported(q.device)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache, v_cache = data[0], data[1]
+    k_sc, v_sc = (kv_cache.scales[0], kv_cache.scales[1]) if quant else (k_cache, v_cache)  # unread unless quant
     head_dim_pad = max(16, next_pow2(head_dim))
     if block_n is None:
         block_n = 64 if head_dim_pad <= 128 else 32
@@ -395,16 +418,17 @@ def paged_decode_attention(
     fused = counters is not None
     launch = {"launch_pdl": True} if use_pdl else {}
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part, lse, out, counters if fused else seq_lens, qk_scale,
-        window, block_tables.shape[1] * block_size,
+        q, k_cache, v_cache, k_sc, v_sc, block_tables, seq_lens, part, lse, out, counters if fused else seq_lens,
+        qk_scale, window, block_tables.shape[1] * block_size,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        *((k_sc.stride(0), k_sc.stride(1), k_sc.stride(2)) if quant else (0, 0, 0)),
         block_tables.stride(0),
         *strides_o, out.stride(0), out.stride(1), num_splits,
         DIRECT=direct, FUSED_REDUCE=fused, SPLITS_PAD=splits_pad if fused else 1, HAS_WINDOW=window > 0, USE_PDL=use_pdl,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, USE_DOT=use_dot, LANES=lanes,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n, DOT_UPCAST=dot_upcast(q.dtype),
-        num_warps=num_warps or 4, num_stages=num_stages or 2, **launch,
+        KV_QUANT=quant, num_warps=num_warps or 4, num_stages=num_stages or 2, **launch,
     )
     if not direct and not fused:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -416,7 +440,8 @@ def paged_decode_attention(
 
 
 def paged_decode_attention_ref(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    q: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """The twin: gather each sequence's context and run float32 softmax attention (``attention.torch_ref``)."""

@@ -8,7 +8,11 @@
 #
 # Shapes and invariants (see rooflm/attention/backend.py):
 #   q               [num_tokens, num_heads, head_dim], sequence i's queries are rows query_start_loc[i]:[i+1]
-#   kv_cache        [2, num_blocks, block_size, num_kv_heads, head_dim]
+#   kv_cache        [2, num_blocks, block_size, num_kv_heads, head_dim]; or a QuantizedKVCache (int8 / fp8 values +
+#                   float32 scales [2, num_blocks, block_size, num_kv_heads]): K tiles enter the product as they are
+#                   (int8 and e4m3 values are exact in fp16 / bf16) and their per-token scales multiply the scores,
+#                   V tiles are dequantized in registers. The step's own new tokens are read back from the cache,
+#                   so a chunked or prefix-cached prefill sees the same (dequantized) K/V as a one-shot prefill.
 #   query_start_loc [num_seqs + 1] int32; seq_lens [num_seqs] int32; block_tables [num_seqs, max_blocks] int32
 #   query j of sequence i sits at position seq_lens[i] - q_len_i + j; it sees key positions p with
 #   p <= its position and, with a window W, p > its position - W.
@@ -20,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rooflm.attention.kv_quant import QuantizedKVCache
 from rooflm.kernels._tl import dot, dot_upcast
 from rooflm.kernels._utils import check_last_dim_contiguous, next_pow2
 
@@ -28,16 +33,18 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
+    stride_sb, stride_ss, stride_sh,  # KV_QUANT: the scales' strides (block, slot in block, kv head)
     stride_bt,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     mblk = tl.program_id(0)
     head = tl.program_id(1)
@@ -75,7 +82,17 @@ def _prefill_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D]
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # issued with K
+        if KV_QUANT:
+            srow = blk * stride_sb + (offs_n % BLOCK_SIZE) * stride_ss + kvh * stride_sh
+            k_sc = tl.load(ks_ptr + srow, mask=mask_n, other=0.0)  # [BLOCK_N]
+            v_sc = tl.load(vs_ptr + srow, mask=mask_n, other=0.0)
+            # exact (through float32: Triton 3.9's interpreter converts int8 -> bfloat16 wrongly); the scale
+            # multiplies the scores
+            k = k.to(tl.float32).to(q.dtype)
+            v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
         s = dot(q, tl.trans(k), DOT_UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if KV_QUANT:
+            s = s * k_sc[None, :]
         allowed = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
         allowed = allowed & ((window <= 0) | (offs_n[None, :] > q_pos[:, None] - window))
         s = tl.where(allowed, s, float("-inf"))
@@ -108,7 +125,7 @@ def _default_tiles(head_dim_pad: int, max_query_len: int, on_cuda: bool) -> tupl
 
 def paged_prefill_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], new K/V already written
+    kv_cache: torch.Tensor | QuantizedKVCache,  # [2, num_blocks, block_size, num_kv_heads, head_dim], new K/V written
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
@@ -123,7 +140,9 @@ def paged_prefill_attention(
     if cache_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"q {tuple(q.shape)} does not fit kv_cache {tuple(kv_cache.shape)}")
     check_last_dim_contiguous("q", q)
-    check_last_dim_contiguous("kv_cache", kv_cache)
+    quant = isinstance(kv_cache, QuantizedKVCache)
+    data = kv_cache.data if quant else kv_cache
+    check_last_dim_contiguous("kv_cache", data)
     if out is None:
         out = torch.empty_like(q)
     num_seqs = seq_lens.shape[0]
@@ -131,21 +150,24 @@ def paged_prefill_attention(
         return out
     head_dim_pad = max(16, next_pow2(head_dim))
     block_m, block_n, warps, stages = tiles or _default_tiles(head_dim_pad, max_query_len, q.is_cuda)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache, v_cache = data[0], data[1]
+    k_sc, v_sc = (kv_cache.scales[0], kv_cache.scales[1]) if quant else (k_cache, v_cache)  # unread unless quant
     grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        q, k_cache, v_cache, k_sc, v_sc, out, query_start_loc, seq_lens, block_tables,
         float(scale) * _LOG2E, int(sliding_window or 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        *((k_sc.stride(0), k_sc.stride(1), k_sc.stride(2)) if quant else (0, 0, 0)), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_UPCAST=dot_upcast(q.dtype), num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_UPCAST=dot_upcast(q.dtype), KV_QUANT=quant, num_warps=warps,
+        num_stages=stages,
     )
     return out
 
 
 def paged_prefill_attention_ref(
-    q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+    q: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     block_tables: torch.Tensor, scale: float, sliding_window: int | None = None,
 ) -> torch.Tensor:
     """The twin: per sequence, gather the context and run masked float32 attention (``attention.torch_ref``)."""

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from rooflm.attention.backend import AttentionMetadata
+from rooflm.attention.kv_quant import allocate_kv_cache, copy_blocks, kv_bytes_per_token_head, kv_cache_nbytes
 from rooflm.config import ModelConfig
 from rooflm.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from rooflm.engine.stop_checker import banned_token_ids
@@ -26,10 +27,10 @@ from rooflm.layers.sampler import Sampler, SamplingMetadata, compute_prompt_logp
 from rooflm.worker.input_batch import CachedRequestState, InputBatch
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of every layer for ``block_size`` tokens."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """K and V of every layer for ``block_size`` tokens (with their scales when ``kv_cache_dtype`` quantizes)."""
+    per = kv_bytes_per_token_head(cfg.head_dim, dtype, kv_cache_dtype)
+    return cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * per
 
 
 class StepHandle:
@@ -101,7 +102,7 @@ def _to_host(t: torch.Tensor | None, pin: bool) -> torch.Tensor | None:
 class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, max_num_seqs: int, max_model_len: int,
-                 eos_token_ids: Collection[int] = ()) -> None:
+                 eos_token_ids: Collection[int] = (), kv_cache_dtype: str = "auto") -> None:
         self.model = model
         self.cfg = model_config
         self.device = device
@@ -109,9 +110,11 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.eos_token_ids = frozenset(eos_token_ids)
-        # One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
-        shape = (2, num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_cache_dtype = kv_cache_dtype
+        # One cache per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] in the model's dtype, or a
+        # QuantizedKVCache (int8 / fp8 values of that shape and their per-token-and-head scales)
+        self.kv_caches = [allocate_kv_cache(num_blocks, block_size, model_config.num_key_value_heads,
+                                            model_config.head_dim, dtype, kv_cache_dtype, device)
                           for _ in range(model_config.num_hidden_layers)]
         self.max_blocks_per_seq = min(num_blocks, -(-max_model_len // block_size))
         self.batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, model_config.vocab_size, device)
@@ -218,7 +221,7 @@ class ModelRunner:
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]
+            copy_blocks(cache, src, dst)
 
     # -- one step -----------------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -326,7 +329,8 @@ class ModelRunner:
 
 @torch.inference_mode()
 def profile_activation_bytes(model: nn.Module, cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
-                             block_size: int, device: torch.device, dtype: torch.dtype) -> int:
+                             block_size: int, device: torch.device, dtype: torch.dtype,
+                             kv_cache_dtype: str = "auto") -> int:
     """Peak device memory, beyond what is allocated now, of one forward pass over ``max_num_batched_tokens`` prompt
     tokens plus the logits and sampling of ``max_num_seqs`` rows: the activation room the KV pool must leave free.
     The scratch KV cache of the pass is not counted (the real pool replaces it)."""
@@ -338,9 +342,9 @@ def profile_activation_bytes(model: nn.Module, cfg: ModelConfig, max_num_batched
     base = torch.cuda.memory_allocated(device)
     num_tokens = max_num_batched_tokens
     num_blocks = -(-num_tokens // block_size)
-    shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-    cache_bytes = sum(c.numel() * c.element_size() for c in caches)
+    caches = [allocate_kv_cache(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, kv_cache_dtype,
+                                device) for _ in range(cfg.num_hidden_layers)]
+    cache_bytes = sum(kv_cache_nbytes(c) for c in caches)
     meta, positions = build_attention_metadata([list(range(num_blocks))], [0], [num_tokens], block_size, device)
     ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     hidden = model(ids, positions, caches, meta)
