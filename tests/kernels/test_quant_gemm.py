@@ -81,43 +81,28 @@ def _forced_configs():
 
     return [
         QuantMMConfig(1, 16, 128),  # GEMV
-        QuantMMConfig(1, 8, 64, split_k=3),  # GEMV, split-K
+        QuantMMConfig(1, 8, 64, split_k=3, x_split=0),  # GEMV, split-K, nibbles interleaved
+        QuantMMConfig(1, 16, 32, x_split=2),  # GEMV, x split in registers
         QuantMMConfig(16, 16, 64),  # flat GEMM
-        QuantMMConfig(16, 32, 32, split_k=2),  # flat GEMM, split-K, 16-byte int4 rows
-        QuantMMConfig(32, 16, 64),  # GEMM
+        QuantMMConfig(16, 32, 32, split_k=2, x_split=0),  # flat GEMM, split-K, 16-byte int4 rows
+        QuantMMConfig(16, 16, 128, x_split=2),  # flat GEMM
+        QuantMMConfig(32, 16, 64, x_split=0),  # GEMM
         QuantMMConfig(32, 32, 128, split_k=3),  # GEMM, split-K
     ]
 
 
-@pytest.mark.parametrize("ci", range(6))
+@pytest.mark.parametrize("ci", range(8))
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quant_linear_forced_configs(device, ci, bits):
-    """Each program shape and split against every scale layout: group 32 (whole groups in a GEMV tile, a gather in
-    the wider tl.dot tiles), group 48 (no power-of-two tile fits: gather), per channel; N even and odd."""
-    from rooflm.kernels.quant_gemm import scale_layout
-
+    """Each program shape, nibble order and split against every scale layout: group 32 (a tile inside a group or a
+    gather, by tile width), group 48 (no power-of-two tile fits: gather), per channel; N even and odd."""
     cfg = _forced_configs()[ci]
     k = 192 if device == "cpu" else 1536
-    layouts = set()
     for j, (group, n) in enumerate([(32, 64), (48, 37), (k, 37)]):
         pw = make_packed(n, k, bits, group, mins=j != 1, perm=j == 2, dtype=torch.float16, device=device,
                          seed=ci + j)
-        layouts.add(min(scale_layout(cfg, k, group), 2))
         for m in ([1] if cfg.block_m == 1 else [2, 16, 40]):
             check(m, pw, torch.float16, device, bias=(ci + j) % 2 == 1, cfg=cfg, seed=m)
-    assert 0 in layouts and 1 in layouts  # the gather and the one-group-a-tile paths both ran
-
-
-def test_quant_linear_whole_groups_in_a_gemv_tile(device):
-    """A GEMV tile spanning several groups reads one scale per row and group ([BLOCK_N, groups, columns] tiles)."""
-    from rooflm.kernels.quant_gemm import QuantMMConfig, scale_layout
-
-    cfg = QuantMMConfig(1, 16, 128)
-    for bits, group, k in ((4, 16, 208), (8, 32, 256), (4, 64, 320)):
-        assert scale_layout(cfg, k, group) == 128 // group
-        pw = make_packed(29, k, bits, group, mins=bits == 4, perm=False, dtype=torch.float16, device=device,
-                         seed=group)
-        check(1, pw, torch.float16, device, bias=True, cfg=cfg)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -158,18 +143,19 @@ def test_quant_linear_keeps_leading_dims(device):
 
 
 def test_default_config_shapes():
-    """The heuristic's program shapes: GEMV at M = 1, 16-row tl.dot tiles up to 16 rows, GEMM above; tl.dot tiles
-    inside one group for power-of-two groups; split-K when N alone leaves the SMs idle."""
-    from rooflm.kernels.quant_gemm import default_config, scale_layout
+    """The heuristic's program shapes: GEMV at M = 1, 16-row tl.dot tiles up to 16 rows, GEMM above; tiles inside
+    one group for power-of-two groups of 32 (tl.dot) or 64 (GEMV) columns and more; split-K when N alone leaves the
+    SMs idle."""
+    from rooflm.kernels.quant_gemm import default_config, per_row_scales
 
     assert default_config(1, 4096, 4096, 4, 128, 132).block_m == 1
     assert default_config(2, 4096, 4096, 4, 128, 132).block_m == 16
     assert default_config(16, 4096, 4096, 8, 4096, 132).block_m == 16
     assert default_config(17, 4096, 4096, 4, 128, 132).block_m > 16
-    for m in (2, 16, 64, 300):
-        for g in (16, 32, 64, 128, 256):
+    for m in (1, 2, 16, 64, 300):
+        for g in (32, 64, 128, 256, 4096):
             cfg = default_config(m, 4096, 4096, 4, g, 132)
-            assert scale_layout(cfg, 4096, g) == 1, (m, g, cfg)
+            assert per_row_scales(cfg, 4096, g) == (g >= 64 or m > 1), (m, g, cfg)
     assert default_config(1, 4096, 4096, 4, 128, 132).split_k > 1  # 256 programs for 528 wanted
     assert default_config(1, 32000, 4096, 4, 128, 132).split_k == 1
 
@@ -193,6 +179,10 @@ def test_bad_input_is_rejected(device):
         quant_linear(x, pw, cfg=QuantMMConfig(1, 16, 64))
     with pytest.raises(ValueError, match="block_n"):
         QuantMMConfig(16, 24, 64)
+    with pytest.raises(ValueError, match="block_k"):
+        QuantMMConfig(16, 16, 16)
+    with pytest.raises(ValueError, match="x_split"):
+        QuantMMConfig(1, 16, 64, x_split=3)
     with pytest.raises(ValueError, match="block_m"):
         QuantMMConfig(8, 16, 64)
     with pytest.raises(ValueError, match="split_k"):

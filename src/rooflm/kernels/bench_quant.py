@@ -7,7 +7,7 @@ replayed from a CUDA graph over weight copies that together exceed the L2 (``gem
 comes from device memory as in a real decode step. Reported per row: microseconds per call, GB/s of the packed weight
 (``PackedWeight.nbytes``: codes, scales, mins) and that as a fraction of the device-to-device copy bandwidth measured
 in the same process (bytes read + written), and the speed-up over fp16. ``--sweep`` also times a grid of block
-configurations at M <= 16 and prints the fastest ones (for tuning ``quant_gemm.default_config``).
+configurations and prints the fastest ones (for tuning ``quant_gemm.default_config``).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
           "lm_head": (32000, 4096)}
-FORMATS = {"w4g128": (4, 128), "w8": (8, None)}
+FORMATS = {"w4g128": (4, 128), "w8": (8, None), "w4g32": (4, 32)}
 
 
 def _copies(pw, l2_bytes: int) -> list:
@@ -31,24 +31,22 @@ def _copies(pw, l2_bytes: int) -> list:
 
 
 def sweep_configs(m: int, bits: int) -> list:
+    """Block configurations ``--sweep`` times (x_split varies only at 4 bits, where it matters)."""
     from rooflm.kernels.quant_gemm import QuantMMConfig
 
-    out = []
+    xs = (0, 1, 2) if bits == 4 else (1,)
     if m == 1:
-        for bn in (8, 16, 32):
-            for bk in ((512, 1024) if bits == 4 else (256, 512)):
-                for split in (1, 2, 4):
-                    for warps in (2, 4):
-                        out.append(QuantMMConfig(1, bn, bk, split, warps, 3))
+        grid = [(1, bn, bk, s, 4, 3) for bn in (16, 32, 64) for bk in (128, 256) for s in (1, 2)]
+        grid += [(1, bn, 512, 1, w, 3) for bn in (8, 16) for w in (2, 4)]
+    elif m <= 16:
+        grid = [(16, bn, bk, s, 4, 4) for bn in (32, 64) for bk in (64, 128) for s in (1, 2, 4)]
     else:
-        for bn in (16, 32, 64):
-            for bk in (128, 256):
-                for split in (1, 2, 4):
-                    out.append(QuantMMConfig(16, bn, bk, split, 4, 4))
-    return out
+        grid = [(64, 128, 64, s, 4, 3) for s in (1, 2)] + [(64, 64, 64, s, 4, 3) for s in (1, 2)]
+        grid += [(64, 128, 128, 1, 8, 3), (128, 128, 64, 1, 8, 3), (64, 256, 64, 1, 8, 3)]
+    return [QuantMMConfig(*g, x_split=x) for g in grid for x in xs]
 
 
-def bench(ms=(1, 16, 64), sweep: bool = False, dtype=torch.float16) -> tuple[dict, list[dict]]:
+def bench(ms=(1, 16, 64), sweep: bool = False, sweep_shapes=("qkv", "o", "down"), dtype=torch.float16) -> tuple[dict, list[dict]]:
     from rooflm.kernels.gemv import time_in_graph, weight_copies
     from rooflm.kernels.quant_gemm import launch, pick_config
     from rooflm.quantization.rtn import quantize_rtn
@@ -77,7 +75,7 @@ def bench(ms=(1, 16, 64), sweep: bool = False, dtype=torch.float16) -> tuple[dic
                        "gbps": round(gbps, 1), "frac_copy_bw": round(gbps / copy_gbps, 3),
                        "fp16_us": round(t16 * 1e3, 2), "speedup_vs_fp16": round(t16 / t, 2),
                        "tflops": round(2 * m * n * k / t / 1e9, 1), "config": _short(cfg)}
-                if sweep and m <= 16:
+                if sweep and name in sweep_shapes and fmt != "w4g32":
                     res = []
                     for c in sweep_configs(m, pw.bits):
                         try:
@@ -95,13 +93,13 @@ def bench(ms=(1, 16, 64), sweep: bool = False, dtype=torch.float16) -> tuple[dic
 
 
 def _short(c) -> str:
-    return f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}w{c.num_warps}p{c.num_stages}"
+    return f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}w{c.num_warps}p{c.num_stages}x{c.x_split}"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ms", default="1,16,64", help="row counts M, comma-separated")
-    p.add_argument("--sweep", action="store_true", help="also time a grid of block configurations at M <= 16")
+    p.add_argument("--sweep", action="store_true", help="also time a grid of block configurations")
     p.add_argument("--tune", action="store_true", help="let quant_linear time its candidates (ROOFLM_QUANT_TUNE=1)")
     p.add_argument("--json", default=None, help="write every figure to this file")
     args = p.parse_args(argv)

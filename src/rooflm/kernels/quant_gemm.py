@@ -81,28 +81,31 @@ def _mma(a, b, F32: tl.constexpr):
 
 
 @triton.jit
-def _codes(q, BITS: tl.constexpr):
-    """A tile of packed codes -> float32 codes in column order: [..., W] bytes give [..., 2W] columns at 4 bits (the
-    low nibble of byte j is column 2j); int8 codes convert one to one."""
-    if BITS == 4:
-        c = tl.interleave(_u_to_f32(q & 0xF), _u_to_f32(q >> 4))
+def _load_x(x_rows, cols, mask_m, mask_k, BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr):
+    """x at columns ``cols`` [W]: [W] for the GEMV (one row), [BLOCK_M, W] otherwise."""
+    if BLOCK_M == 1:
+        if EVEN_K:
+            v = tl.load(x_rows + cols)
+        else:
+            v = tl.load(x_rows + cols, mask=mask_k, other=0.0)
     else:
-        c = _s8_to_f32(q)
-    return c
+        v = tl.load(x_rows + cols[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    return v
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _quant_mm_kernel(
     x_ptr, q_ptr, s_ptr, m_ptr, b_ptr, out_ptr,
     M, N, K, GROUP, k_per_split,
     stride_xm, stride_qn, stride_sn, stride_om, stride_os,
-    BITS: tl.constexpr, HAS_MIN: tl.constexpr, HAS_BIAS: tl.constexpr, GPT: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, F32_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BITS: tl.constexpr, HAS_MIN: tl.constexpr, HAS_BIAS: tl.constexpr, PER_ROW: tl.constexpr,
+    X_SPLIT: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # GPT (scale layout of a tile): 1 = the tile lies in one group, one scale a row; k > 1 = the tile holds k whole
-    # groups (BLOCK_M == 1 only: a [BLOCK_N, k, BLOCK_K / k] tile, one scale per row and group); 0 = any other case,
-    # scales gathered per column.
+    # PER_ROW: the tile lies in one group (one scale and min a row), else they are gathered per column.
+    # X_SPLIT (4 bits): 0 = the low and high nibbles are interleaved back into column order (tl.interleave) and meet
+    # x as loaded; 1 = the nibbles stay in byte order and meet the even and odd columns of x, loaded with stride 2;
+    # 2 = the same, with x loaded contiguously and split in registers.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -110,100 +113,95 @@ def _quant_mm_kernel(
     mask_n = offs_n < N
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    STEP: tl.constexpr = 2 if BITS == 4 else 1  # columns per byte
-    if GPT > 1:
-        SUB: tl.constexpr = BLOCK_K // GPT  # columns of one group in the tile
-        offs_g = tl.arange(0, GPT)
-        # byte and column offsets inside a tile, [GPT, SUB // STEP] and [GPT, SUB]
-        offs_b = offs_g[:, None] * (SUB // STEP) + tl.arange(0, SUB // STEP)[None, :]
-        offs_c = offs_g[:, None] * SUB + tl.arange(0, SUB)[None, :]
-        q_rows = q_ptr + offs_n.to(tl.int64)[:, None, None] * stride_qn
-        n3 = offs_n[:, None, None]
-        mask_n3 = mask_n[:, None, None]
-        acc3 = tl.zeros([BLOCK_N, GPT, SUB], tl.float32)
-    else:
-        offs_b = tl.arange(0, BLOCK_K // STEP)
-        offs_c = tl.arange(0, BLOCK_K)
-        q_rows = q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn
+    BYTE_ORDER: tl.constexpr = BITS == 4 and X_SPLIT > 0
+    WIDTH: tl.constexpr = BLOCK_K // 2 if BITS == 4 else BLOCK_K  # bytes of a tile row
+    offs_b = tl.arange(0, WIDTH)
+    q_rows = q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     if BLOCK_M == 1:
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        x_rows = x_ptr + pid_m * stride_xm
+        if BYTE_ORDER:
+            acc2 = tl.zeros([BLOCK_N, WIDTH], tl.float32)
+        else:
+            acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     else:
+        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
 
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k0 = tl.multiple_of(k0, BLOCK_K)  # k_per_split is a multiple of BLOCK_K
-        cols = k0 + offs_c
+        cols = k0 + tl.arange(0, BLOCK_K)
         mask_k = cols < k_hi
-        bmask_k = (k0 + offs_b * STEP) < k_hi
-        if GPT > 1:
-            qo = q_rows + (k0 // STEP + offs_b)[None, :, :]
-            if EVEN_K:
-                if EVEN_N:
-                    q = tl.load(qo)
-                else:
-                    q = tl.load(qo, mask=mask_n3, other=0)
+        if BITS == 4:
+            even = k0 + 2 * offs_b  # the column of each byte's low nibble
+            bmask = even < k_hi
+            qo = q_rows + (k0 // 2 + offs_b)[None, :]
+        else:
+            even = cols
+            bmask = mask_k
+            qo = q_rows + cols[None, :]
+        if EVEN_K:
+            if EVEN_N:
+                q = tl.load(qo)
             else:
-                q = tl.load(qo, mask=mask_n3 & bmask_k[None, :, :], other=0)
-            sp = n3 * stride_sn + (k0 // GROUP + offs_g)[None, :, None]
-            smask = mask_n3 & (offs_g * SUB + k0 < k_hi)[None, :, None]
+                q = tl.load(qo, mask=mask_n[:, None], other=0)
+        else:
+            q = tl.load(qo, mask=mask_n[:, None] & bmask[None, :], other=0)
+        # scales and mins as float32, [BLOCK_N, 1] or [BLOCK_N, columns of the tile in the order used below]
+        if PER_ROW:
+            sp = offs_n * stride_sn + k0 // GROUP
+            if EVEN_N:
+                s = tl.load(s_ptr + sp).to(tl.float32)[:, None]
+                if HAS_MIN:
+                    mn = tl.load(m_ptr + sp).to(tl.float32)[:, None]
+            else:
+                s = tl.load(s_ptr + sp, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+                if HAS_MIN:
+                    mn = tl.load(m_ptr + sp, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        else:
+            if BYTE_ORDER:
+                scol, smk = even, bmask
+            else:
+                scol, smk = cols, mask_k
+            sp = offs_n[:, None] * stride_sn + (scol // GROUP)[None, :]
+            smask = mask_n[:, None] & smk[None, :]
             s = tl.load(s_ptr + sp, mask=smask, other=0.0).to(tl.float32)
             if HAS_MIN:
                 mn = tl.load(m_ptr + sp, mask=smask, other=0.0).to(tl.float32)
-            else:
-                mn = 0.0
-        else:
-            qo = q_rows + (k0 // STEP + offs_b)[None, :]
-            if EVEN_K:
-                if EVEN_N:
-                    q = tl.load(qo)
-                else:
-                    q = tl.load(qo, mask=mask_n[:, None], other=0)
-            else:
-                q = tl.load(qo, mask=mask_n[:, None] & bmask_k[None, :], other=0)
-            if GPT == 1:
-                sp = offs_n * stride_sn + k0 // GROUP
-                if EVEN_N:
-                    s = tl.load(s_ptr + sp).to(tl.float32)[:, None]
-                    if HAS_MIN:
-                        mn = tl.load(m_ptr + sp).to(tl.float32)[:, None]
-                else:
-                    s = tl.load(s_ptr + sp, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-                    if HAS_MIN:
-                        mn = tl.load(m_ptr + sp, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-            else:
-                sp = offs_n[:, None] * stride_sn + (cols // GROUP)[None, :]
-                smask = mask_n[:, None] & mask_k[None, :]
-                s = tl.load(s_ptr + sp, mask=smask, other=0.0).to(tl.float32)
-                if HAS_MIN:
-                    mn = tl.load(m_ptr + sp, mask=smask, other=0.0).to(tl.float32)
-            if not HAS_MIN:
-                mn = 0.0
-        w = _codes(q, BITS) * s + mn  # float32, column order
+        if not HAS_MIN:
+            mn = 0.0
 
-        if GPT > 1:
-            if EVEN_K:
-                xv = tl.load(x_ptr + pid_m * stride_xm + cols).to(tl.float32)
+        if BYTE_ORDER:
+            w_lo = _u_to_f32(q & 0xF) * s + mn
+            w_hi = _u_to_f32(q >> 4) * s + mn
+            if X_SPLIT == 1:
+                x_lo = _load_x(x_rows, even, mask_m, bmask, BLOCK_M, EVEN_K)
+                x_hi = _load_x(x_rows, even + 1, mask_m, bmask, BLOCK_M, EVEN_K)
             else:
-                xv = tl.load(x_ptr + pid_m * stride_xm + cols, mask=mask_k, other=0.0).to(tl.float32)
-            acc3 += w * xv[None, :, :]
-        elif BLOCK_M == 1:
-            if EVEN_K:
-                xv = tl.load(x_ptr + pid_m * stride_xm + cols).to(tl.float32)
+                xv = _load_x(x_rows, cols, mask_m, mask_k, BLOCK_M, EVEN_K)
+                if BLOCK_M == 1:
+                    x_lo, x_hi = tl.split(tl.reshape(xv, [WIDTH, 2]))
+                else:
+                    x_lo, x_hi = tl.split(tl.reshape(xv, [BLOCK_M, WIDTH, 2]))
+            if BLOCK_M == 1:
+                acc2 += w_lo * x_lo.to(tl.float32)[None, :] + w_hi * x_hi.to(tl.float32)[None, :]
             else:
-                xv = tl.load(x_ptr + pid_m * stride_xm + cols, mask=mask_k, other=0.0).to(tl.float32)
-            acc2 += w * xv[None, :]
+                acc += _mma(x_lo, tl.trans(w_lo.to(x_ptr.dtype.element_ty)), F32_DOT)
+                acc += _mma(x_hi, tl.trans(w_hi.to(x_ptr.dtype.element_ty)), F32_DOT)
         else:
-            xv = tl.load(x_rows + cols[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            acc += _mma(xv, tl.trans(w.to(x_ptr.dtype.element_ty)), F32_DOT)
+            if BITS == 4:
+                w = tl.interleave(_u_to_f32(q & 0xF), _u_to_f32(q >> 4)) * s + mn
+            else:
+                w = _s8_to_f32(q) * s + mn
+            xv = _load_x(x_rows, cols, mask_m, mask_k, BLOCK_M, EVEN_K)
+            if BLOCK_M == 1:
+                acc2 += w * xv.to(tl.float32)[None, :]
+            else:
+                acc += _mma(xv, tl.trans(w.to(x_ptr.dtype.element_ty)), F32_DOT)
 
     if BLOCK_M == 1:
-        if GPT > 1:
-            res = tl.sum(tl.sum(acc3, 2), 1)
-        else:
-            res = tl.sum(acc2, 1)
+        res = tl.sum(acc2, 1)
         if HAS_BIAS and SPLIT == 1:
             res += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         tl.store(out_ptr + pid_k * stride_os + pid_m * stride_om + offs_n, res.to(out_ptr.dtype.element_ty),
@@ -246,6 +244,7 @@ class QuantMMConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    x_split: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -254,8 +253,11 @@ class QuantMMConfig:
                 raise ValueError(f"{name}={v} must be a power of two")
         if self.block_m not in (1,) and self.block_m < 16:
             raise ValueError(f"block_m={self.block_m} must be 1 or at least 16 (tl.dot tiles)")
-        if self.block_k < 16 or (self.block_m > 1 and self.block_n < 16):
-            raise ValueError(f"block_k={self.block_k} must be >= 16, and block_n={self.block_n} too with tl.dot")
+        if self.block_k < 16 or (self.block_m > 1 and (self.block_n < 16 or self.block_k < 32)):
+            raise ValueError(f"block_k={self.block_k} must be >= 16, and block_n={self.block_n} >= 16 and block_k "
+                             ">= 32 with tl.dot")
+        if self.x_split not in (0, 1, 2):
+            raise ValueError(f"x_split={self.x_split} must be 0, 1 or 2")
         if self.split_k < 1:
             raise ValueError(f"split_k={self.split_k} must be >= 1")
 
@@ -280,14 +282,10 @@ def check_packed(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -
                          f"on {x.device}")
 
 
-def scale_layout(cfg: QuantMMConfig, k: int, group_size: int) -> int:
-    """How a tile meets the groups: 1 = inside one group (group_size a multiple of block_k, or one group a row);
-    block_k // group_size = whole groups (GEMV tiles only); 0 = per-column gather (any other case)."""
-    if group_size == k or group_size % cfg.block_k == 0:
-        return 1
-    if cfg.block_m == 1 and cfg.block_k % group_size == 0:
-        return cfg.block_k // group_size
-    return 0
+def per_row_scales(cfg: QuantMMConfig, k: int, group_size: int) -> bool:
+    """True when no tile straddles a group (group_size a multiple of block_k, or one group a row): one scale and min
+    load a row and tile; otherwise they are gathered per column."""
+    return group_size == k or group_size % cfg.block_k == 0
 
 
 def launch(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, cfg: QuantMMConfig) -> torch.Tensor:
@@ -306,7 +304,6 @@ def launch(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, cfg: Qu
     k_per_split = triton.cdiv(k_tiles, split) * bk
     split = triton.cdiv(K, k_per_split)
     G = pw.group_size
-    gpt = scale_layout(cfg, K, G)
     if split == 1:
         dst, stride_s = out, 0
     else:
@@ -318,7 +315,7 @@ def launch(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, cfg: Qu
     _quant_mm_kernel[grid](
         x, pw.qweight, pw.scales, pw.mins if pw.mins is not None else pw.scales, b, dst,
         M, N, K, G, k_per_split, x.stride(0), pw.qweight.stride(0), pw.scales.stride(0), dst.stride(-2), stride_s,
-        BITS=pw.bits, HAS_MIN=pw.mins is not None, HAS_BIAS=bias is not None, GPT=gpt, SPLIT=split,
+        BITS=pw.bits, HAS_MIN=pw.mins is not None, HAS_BIAS=bias is not None, PER_ROW=per_row_scales(cfg, K, G), X_SPLIT=cfg.x_split, SPLIT=split,
         EVEN_N=N % cfg.block_n == 0, EVEN_K=K % bk == 0, F32_DOT=f32_dot,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -330,35 +327,35 @@ def launch(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, cfg: Qu
     return out
 
 
-def _within_groups(bk: int, k: int, group_size: int) -> int:
-    """The largest power of two <= bk (and >= 16) whose tiles never straddle a group, else bk (scales gathered)."""
+def _within_groups(bk: int, k: int, group_size: int, least: int) -> int:
+    """The largest power of two <= bk (and >= least) whose tiles never straddle a group, else bk (scales gathered)."""
     if group_size == k:
         return bk
     b = bk
-    while b > 16 and group_size % b:
+    while b > least and group_size % b:
         b //= 2
     return b if group_size % b == 0 else bk
 
 
 def default_config(m: int, n: int, k: int, bits: int, group_size: int, sms: int) -> QuantMMConfig:
-    """A shape heuristic. M == 1: tiles of 256 bytes a row (512 int4 or 256 int8 columns; whole groups in a tile
-    are fine), 16 rows a program; M <= 16: 16-row tl.dot tiles of 128 columns; M > 16: GEMM tiles of 64 columns.
-    tl.dot tiles are shrunk to fit inside one group (one scale load a row and tile). The flat kernels split K until
-    the grid holds about four programs per SM, so that enough loads are in flight when N is small; the GEMM splits
-    K when its grid is below two programs per SM."""
-    kp2 = max(16, triton.next_power_of_2(k))
+    """A shape heuristic. M == 1: 128-column tiles of 32 rows at 4 bits, 256 x 16 at 8 bits; M <= 16: 16-row tl.dot
+    tiles of 128 columns; M > 16: GEMM tiles of 64 columns. Tiles shrink to fit inside one group when the group
+    allows it (one scale load a row and tile). The flat kernels split K until the grid holds about four programs per
+    SM, so that enough loads are in flight when N is small; the GEMM splits K below two programs per SM."""
+    kp2 = max(32, triton.next_power_of_2(k))
     if m > MAX_GEMV_M:
         bm = 64 if m <= 64 else 128
         bn = 128 if n >= 128 else 64
-        bk = _within_groups(min(64, kp2), k, group_size)
+        bk = _within_groups(min(64, kp2), k, group_size, 32)
         programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         split = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(k, bk), 4))
         return QuantMMConfig(bm, bn, bk, split, 8 if bm == 128 else 4, 3)
     if m == 1:
-        bm, bn, bk, warps, stages = 1, 16, min(512 if bits == 4 else 256, kp2), 4, 3
+        bm, bn, bk, warps, stages = 1, (32 if bits == 4 else 16), min(128 if bits == 4 else 256, kp2), 4, 3
+        bk = _within_groups(bk, k, group_size, 64)
     else:
         bm, bn, bk, warps, stages = 16, (64 if n >= 16384 else 32), min(128, kp2), 4, 4
-        bk = _within_groups(bk, k, group_size)
+        bk = _within_groups(bk, k, group_size, 32)
     programs = triton.cdiv(n, bn)
     split = max(1, min(triton.cdiv(4 * sms, programs), triton.cdiv(k, bk), 8))
     return QuantMMConfig(bm, bn, bk, split, warps, stages)
