@@ -80,14 +80,14 @@ def _forced_configs():
     from rooflm.kernels.quant_gemm import QuantMMConfig
 
     return [
-        QuantMMConfig(1, 16, 128),  # GEMV
+        QuantMMConfig(1, 16, 128, x_split=1),  # GEMV, x loaded with stride 2
         QuantMMConfig(1, 8, 64, split_k=3, x_split=0),  # GEMV, split-K, nibbles interleaved
         QuantMMConfig(1, 16, 32, x_split=2),  # GEMV, x split in registers
-        QuantMMConfig(16, 16, 64),  # flat GEMM
+        QuantMMConfig(16, 16, 64, x_split=1),  # flat GEMM
         QuantMMConfig(16, 32, 32, split_k=2, x_split=0),  # flat GEMM, split-K, 16-byte int4 rows
         QuantMMConfig(16, 16, 128, x_split=2),  # flat GEMM
         QuantMMConfig(32, 16, 64, x_split=0),  # GEMM
-        QuantMMConfig(32, 32, 128, split_k=3),  # GEMM, split-K
+        QuantMMConfig(32, 32, 128, split_k=3, x_split=1),  # GEMM, split-K
     ]
 
 
@@ -140,12 +140,12 @@ def test_quant_linear_keeps_leading_dims(device):
     out = quant_linear(x, pw)
     assert out.shape == (2, 3, 24)
     torch.testing.assert_close(out.reshape(6, 24), quant_linear(x.reshape(6, 64), pw), atol=0, rtol=0)
+    assert quant_linear(x[:0, 0], pw).shape == (0, 24)
 
 
 def test_default_config_shapes():
     """The heuristic's program shapes: GEMV at M = 1, 16-row tl.dot tiles up to 16 rows, GEMM above; tiles inside
-    one group for power-of-two groups of 32 (tl.dot) or 64 (GEMV) columns and more; split-K when N alone leaves the
-    SMs idle."""
+    one group for power-of-two groups of 32 columns and more; split-K when N alone leaves the SMs idle."""
     from rooflm.kernels.quant_gemm import default_config, per_row_scales
 
     assert default_config(1, 4096, 4096, 4, 128, 132).block_m == 1
@@ -155,7 +155,8 @@ def test_default_config_shapes():
     for m in (1, 2, 16, 64, 300):
         for g in (32, 64, 128, 256, 4096):
             cfg = default_config(m, 4096, 4096, 4, g, 132)
-            assert per_row_scales(cfg, 4096, g) == (g >= 64 or m > 1), (m, g, cfg)
+            assert per_row_scales(cfg, 4096, g), (m, g, cfg)
+    assert not per_row_scales(default_config(1, 4096, 4096, 4, 16, 132), 4096, 16)  # 8-byte rows: gather instead
     assert default_config(1, 4096, 4096, 4, 128, 132).split_k > 1  # 256 programs for 528 wanted
     assert default_config(1, 32000, 4096, 4, 128, 132).split_k == 1
 

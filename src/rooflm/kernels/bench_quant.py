@@ -36,7 +36,7 @@ def sweep_configs(m: int, bits: int) -> list:
 
     xs = (0, 1, 2) if bits == 4 else (1,)
     if m == 1:
-        grid = [(1, bn, bk, s, 4, 3) for bn in (16, 32, 64) for bk in (128, 256) for s in (1, 2)]
+        grid = [(1, bn, bk, s, 4, 3) for bn in (16, 32) for bk in (128, 256) for s in (1, 2)]
         grid += [(1, bn, 512, 1, w, 3) for bn in (8, 16) for w in (2, 4)]
     elif m <= 16:
         grid = [(16, bn, bk, s, 4, 4) for bn in (32, 64) for bk in (64, 128) for s in (1, 2, 4)]
@@ -46,7 +46,8 @@ def sweep_configs(m: int, bits: int) -> list:
     return [QuantMMConfig(*g, x_split=x) for g in grid for x in xs]
 
 
-def bench(ms=(1, 16, 64), sweep: bool = False, sweep_shapes=("qkv", "o", "down"), dtype=torch.float16) -> tuple[dict, list[dict]]:
+def bench(ms=(1, 16, 64), sweep: bool = False, sweep_shapes=("qkv", "down"),
+          dtype=torch.float16) -> tuple[dict, list[dict]]:
     from rooflm.kernels.gemv import time_in_graph, weight_copies
     from rooflm.kernels.quant_gemm import launch, pick_config
     from rooflm.quantization.rtn import quantize_rtn

@@ -20,23 +20,34 @@
 #   Any of them can split K over SPLIT programs (more programs in flight when N is small); the partial sums go to a
 #   float32 workspace [SPLIT, M, N] that a second kernel adds in a fixed order, so results do not depend on scheduling.
 #
-# Reading int4: byte j of a row holds columns 2j (low nibble) and 2j + 1 (high nibble). Rather than interleaving
-# the nibbles back into column order, the kernel splits x instead: the even columns of x meet the low nibbles and the
-# odd columns the high ones (two half-width products, or two tl.dot calls of BLOCK_K / 2), which needs no shuffle.
+# Reading int4: byte j of a row holds columns 2j (low nibble) and 2j + 1 (high nibble). X_SPLIT picks how the two
+# halves meet x: 0 puts them back in column order in registers (tl.interleave) and multiplies x as loaded; 1 keeps
+# them in byte order and loads the even and odd columns of x with stride 2 (two half-width products, or two tl.dot
+# calls); 2 loads x contiguously and splits it in registers. On an H100 all three tie in the GEMV, and 0 is clearly
+# the fastest with tl.dot (strided x tiles make poor tl.dot operands), so 0 is the default.
 #
 # Dequantize-then-multiply, not "factor the scale out of the group sum": both read exactly the same bytes (every code
-# once, every scale and min once per row and group), so the choice is decided by instructions per code, since at
-# 4 bits the GPU has to retire ~2 codes per byte read at ~3 TB/s. Factoring (s * sum(q * x) + min * sum(x)) saves one
-# FMA per code only if the group sums are reduced across threads at every group boundary (a shuffle tree for each
-# group of 16..128 codes) and the x sums are computed per group, which costs more than the FMA it saves; dequantizing
-# in registers (q * s + min, then * x) keeps the accumulation purely elementwise. What does matter is the integer to
-# float conversion: I2F runs at a quarter of the FMA rate on recent NVIDIA GPUs, so a code becomes float with the
-# "magic number" trick instead (OR the code into the mantissa of 2^23 and subtract 2^23: one integer op and one FADD,
-# exact for codes below 2^23; Kim et al. 2022, "Who Says Elephants Can't Run", FasterTransformer's int4 path).
+# once, every scale and min once per row and group), so bytes per useful op do not separate them and the choice is
+# decided by instructions per code -- at 4 bits the GPU has to retire two codes per byte read. Factoring
+# (s * sum(q * x) + min * sum(x)) saves one FMA per code only if the partial sums are reduced across threads at every
+# group boundary (a shuffle tree per group of 16..128 codes) and the x sums are formed per group, which costs more
+# than the FMA it saves; dequantizing in registers (q * s + min, then * x, or into tl.dot) keeps the accumulation
+# purely elementwise and is the same code for every group size. The integer-to-float conversion matters more: I2F
+# issues at a fraction of the FMA rate, so a code becomes a float with the "magic number" trick (OR it into the
+# mantissa of 2^23 and subtract 2^23: one integer op and one FADD, exact; Kim et al. 2022, "Who Says Elephants Can't
+# Run: Bringing Large Scale MoE Models into Cloud Scale Production").
+#
+# Measured on an H100 (``python -m rooflm.kernels.bench_quant``, Llama-2-7B shapes, weights streamed from HBM): at
+# M = 1 the W8A16 GEMV reads its bytes at 77-82% of the device-to-device copy bandwidth on the large projections
+# (qkv, gate_up, lm_head; 53-70% on the short o and down calls), 1.5-1.8x faster than fp16. The W4A16 GEMV reaches
+# about 30% of the copy bandwidth (1.2-1.4x faster than fp16): both formats top out at about 2e12 codes/s, so at
+# 4 bits the kernel is bound by instructions per code, not by memory. Closing that gap needs the conversion of two
+# codes per 32-bit instruction into packed f16x2 registers (lop3 and HFMA2, as Marlin and FasterTransformer do),
+# which plain Triton cannot express; it would take inline PTX.
 #
 # Scales: when a tile never straddles a group (group_size a multiple of BLOCK_K, or one group per row), each row's
-# scale and min are one load per tile; otherwise (group_size < BLOCK_K, e.g. 16 or 32) they are gathered per column
-# from L1 (index k // group_size), which works for any group size.
+# scale and min are one load per tile; otherwise (group_size < BLOCK_K, or not a power of two) they are gathered per
+# column from L1 (index k // group_size), which works for any group size but is several times slower.
 #
 # Block sizes come from a small shape heuristic (``default_config``); ``pick_config`` can also time a few candidates
 # once per shape bucket on the running GPU, outside CUDA-graph capture, like rooflm/kernels/gemv.py. Nothing in a call
@@ -45,7 +56,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -244,7 +255,7 @@ class QuantMMConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    x_split: int = 1
+    x_split: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -293,11 +304,11 @@ def launch(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, cfg: Qu
     pw.perm and contiguous in its last dim. Callers check shapes (``check_packed``)."""
     M, K = x.shape
     N = pw.out_features
-    if not cfg.supports(M):
-        raise ValueError(f"{cfg} does not support M={M} (block_m=1 is for a single row)")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
+    if not cfg.supports(M):
+        raise ValueError(f"{cfg} does not support M={M} (block_m=1 is for a single row)")
     bk = cfg.block_k
     k_tiles = triton.cdiv(K, bk)
     split = max(1, min(cfg.split_k, k_tiles))
@@ -315,7 +326,8 @@ def launch(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, cfg: Qu
     _quant_mm_kernel[grid](
         x, pw.qweight, pw.scales, pw.mins if pw.mins is not None else pw.scales, b, dst,
         M, N, K, G, k_per_split, x.stride(0), pw.qweight.stride(0), pw.scales.stride(0), dst.stride(-2), stride_s,
-        BITS=pw.bits, HAS_MIN=pw.mins is not None, HAS_BIAS=bias is not None, PER_ROW=per_row_scales(cfg, K, G), X_SPLIT=cfg.x_split, SPLIT=split,
+        BITS=pw.bits, HAS_MIN=pw.mins is not None, HAS_BIAS=bias is not None, PER_ROW=per_row_scales(cfg, K, G),
+        X_SPLIT=cfg.x_split, SPLIT=split,
         EVEN_N=N % cfg.block_n == 0, EVEN_K=K % bk == 0, F32_DOT=f32_dot,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -338,27 +350,33 @@ def _within_groups(bk: int, k: int, group_size: int, least: int) -> int:
 
 
 def default_config(m: int, n: int, k: int, bits: int, group_size: int, sms: int) -> QuantMMConfig:
-    """A shape heuristic. M == 1: 128-column tiles of 32 rows at 4 bits, 256 x 16 at 8 bits; M <= 16: 16-row tl.dot
-    tiles of 128 columns; M > 16: GEMM tiles of 64 columns. Tiles shrink to fit inside one group when the group
-    allows it (one scale load a row and tile). The flat kernels split K until the grid holds about four programs per
-    SM, so that enough loads are in flight when N is small; the GEMM splits K below two programs per SM."""
+    """A shape heuristic, from a sweep on an H100 over Llama-2-7B's projections (``python -m
+    rooflm.kernels.bench_quant --sweep``). M == 1: 32 rows x 128 columns at 4 bits, 16 x 256 at 8 bits; M <= 16:
+    16-row tl.dot tiles of 128 columns; M > 16: GEMM tiles of 64 columns (64 rows of W at 4 bits, where the
+    dequantization is the larger cost, 128 at 8). Tiles shrink to fit inside one group where the group allows
+    (one scale load a row and tile instead of a gather). The GEMV splits K until the grid holds about four programs
+    per SM, the flat GEMM two (enough loads in flight when N is small); the GEMM splits below two programs per SM.
+    4-bit tiles are put back in column order (x_split 0): measured the fastest with tl.dot, on par for the GEMV."""
     kp2 = max(32, triton.next_power_of_2(k))
     if m > MAX_GEMV_M:
         bm = 64 if m <= 64 else 128
-        bn = 128 if n >= 128 else 64
+        bn = 128 if n >= 128 and bits == 8 else 64
         bk = _within_groups(min(64, kp2), k, group_size, 32)
         programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         split = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(k, bk), 4))
-        return QuantMMConfig(bm, bn, bk, split, 8 if bm == 128 else 4, 3)
+        return QuantMMConfig(bm, bn, bk, split, 8 if bm == 128 else 4, 3, x_split=0)
+    x_split = 0
     if m == 1:
-        bm, bn, bk, warps, stages = 1, (32 if bits == 4 else 16), min(128 if bits == 4 else 256, kp2), 4, 3
-        bk = _within_groups(bk, k, group_size, 64)
+        bm, bn, bk, warps, stages, waves = 1, (32 if bits == 4 else 16), min(128 if bits == 4 else 256, kp2), 4, 3, 4
+        bk = _within_groups(bk, k, group_size, 32)
+        if bk == 32 and bits == 4:  # narrow rows (groups of 32): more of them, x split in registers
+            bn, x_split = 64, 2
     else:
-        bm, bn, bk, warps, stages = 16, (64 if n >= 16384 else 32), min(128, kp2), 4, 4
+        bm, bn, bk, warps, stages, waves = 16, (64 if n >= 16384 else 32), min(128, kp2), 4, 4, 2
         bk = _within_groups(bk, k, group_size, 32)
     programs = triton.cdiv(n, bn)
-    split = max(1, min(triton.cdiv(4 * sms, programs), triton.cdiv(k, bk), 8))
-    return QuantMMConfig(bm, bn, bk, split, warps, stages)
+    split = max(1, min(triton.cdiv(waves * sms, programs), triton.cdiv(k, bk), 8))
+    return QuantMMConfig(bm, bn, bk, split, warps, stages, x_split)
 
 
 _picked: dict[tuple, QuantMMConfig] = {}
@@ -392,11 +410,12 @@ def candidates(m: int, n: int, k: int, bits: int, group_size: int, sms: int) -> 
     out = [base]
     for bn in (base.block_n // 2, base.block_n * 2):
         if (bn >= 16 or (bn >= 1 and base.block_m == 1)) and bn <= 128:
-            out.append(QuantMMConfig(base.block_m, bn, base.block_k, base.split_k, base.num_warps, base.num_stages))
+            out.append(replace(base, block_n=bn))
     for split in (1, 2 * base.split_k):
         if split != base.split_k:
-            out.append(QuantMMConfig(base.block_m, base.block_n, base.block_k, split, base.num_warps,
-                                     base.num_stages))
+            out.append(replace(base, split_k=split))
+    if bits == 4:
+        out += [replace(base, x_split=x) for x in (0, 1, 2) if x != base.x_split]
     return out
 
 
