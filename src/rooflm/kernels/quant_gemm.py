@@ -37,13 +37,15 @@
 # mantissa of 2^23 and subtract 2^23: one integer op and one FADD, exact; Kim et al. 2022, "Who Says Elephants Can't
 # Run: Bringing Large Scale MoE Models into Cloud Scale Production").
 #
-# Measured on an H100 (``python -m rooflm.kernels.bench_quant``, Llama-2-7B shapes, weights streamed from HBM): at
-# M = 1 the W8A16 GEMV reads its bytes at 77-82% of the device-to-device copy bandwidth on the large projections
-# (qkv, gate_up, lm_head; 53-70% on the short o and down calls), 1.5-1.8x faster than fp16. The W4A16 GEMV reaches
-# about 30% of the copy bandwidth (1.2-1.4x faster than fp16): both formats top out at about 2e12 codes/s, so at
-# 4 bits the kernel is bound by instructions per code, not by memory. Closing that gap needs the conversion of two
-# codes per 32-bit instruction into packed f16x2 registers (lop3 and HFMA2, as Marlin and FasterTransformer do),
-# which plain Triton cannot express; it would take inline PTX.
+# Measured on an H100 (``python -m rooflm.kernels.bench_quant``, Llama-2-7B shapes, weights streamed from HBM,
+# fractions of the device-to-device copy bandwidth, speed-ups over fp16 ``F.linear``):
+#   M = 1:  W8A16 77-82% on qkv, gate_up, lm_head (52-70% on the short o and down calls), 1.5-1.8x;
+#           W4A16 (group 128) 25-36%, 1.3-1.5x.
+#   M = 16: W8A16 48-82%, 1.4-1.9x; W4A16 22-35%, 1.2-1.5x.
+#   M = 64: W8A16 0.8-1.2x and W4A16 0.7-1.0x of fp16 (the dequantization is paid once per 64 rows).
+# Both formats top out at about 2e12 codes/s, so at 4 bits the kernel is bound by instructions per code, not by
+# memory. Closing that gap needs the conversion of two codes per 32-bit instruction into packed f16x2 registers
+# (lop3 and HFMA2, as Marlin and FasterTransformer do), which plain Triton cannot express; it would take inline PTX.
 #
 # Scales: when a tile never straddles a group (group_size a multiple of BLOCK_K, or one group per row), each row's
 # scale and min are one load per tile; otherwise (group_size < BLOCK_K, or not a power of two) they are gathered per
