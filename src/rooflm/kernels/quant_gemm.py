@@ -67,8 +67,6 @@ import triton.language as tl
 from rooflm.kernels._utils import device_sms, interpreting
 from rooflm.quantization.packed import PackedWeight
 
-MAGIC = 0x4B000000  # bit pattern of 2.0**23: OR-ing an integer below 2**23 into it gives the float 2**23 + integer
-
 
 @triton.jit
 def _u_to_f32(q):
@@ -286,7 +284,7 @@ def check_packed(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -
         raise ValueError(f"x.dtype={x.dtype} is not supported: expected float16, bfloat16 or float32")
     if pw.bits == 4 and pw.group_size % 2:
         raise ValueError(f"group_size={pw.group_size} must be even for 4-bit codes (a byte holds two columns)")
-    for name, t in (("qweight", pw.qweight), ("scales", pw.scales), ("mins", pw.mins)):
+    for name, t in (("qweight", pw.qweight), ("scales", pw.scales), ("mins", pw.mins), ("perm", pw.perm)):
         if t is not None and (t.device != x.device or t.stride(-1) != 1):
             raise ValueError(f"pw.{name} must be on {x.device} and contiguous in its last dim "
                              f"(device {t.device}, strides {tuple(t.stride())})")
