@@ -1,0 +1,51 @@
+"""The quantized matmul on CUDA beyond tests/kernels/test_quant_gemm.py (which also runs here, at larger shapes):
+capture in a CUDA graph, and the one-time timing of candidate configurations."""
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from test_quant_gemm import check, make_packed  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quant_linear_replays_in_a_cuda_graph(bits):
+    """Captured once per row count (GEMV, flat GEMM, GEMM with split-K), replayed on new inputs written into the
+    captured buffer: the results follow the inputs, so nothing was fixed at capture time."""
+    from rooflm.kernels.quant_gemm import quant_linear
+    from rooflm.quantization.packed import quant_linear_reference
+
+    pw = make_packed(1029, 4096, bits, 128, mins=bits == 4, perm=bits == 4, dtype=torch.float16, device="cuda")
+    bias = torch.randn(1029, device="cuda", dtype=torch.float16)
+    for m in (1, 7, 48):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
+        quant_linear(x, pw, bias)  # compile and pick outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = quant_linear(x, pw, bias)
+        for _ in range(2):
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = quant_linear_reference(x.double(), pw, bias.double())
+            rel = ((out.double() - ref).norm() / ref.norm()).item()
+            assert rel < 2e-3, f"M={m}: relative error {rel:.2e} after replay"
+
+
+def test_timed_pick_is_a_candidate_and_correct(monkeypatch):
+    from rooflm.kernels import quant_gemm
+
+    monkeypatch.setenv("ROOFLM_QUANT_TUNE", "1")
+    monkeypatch.setattr(quant_gemm, "_picked", {})
+    pw = make_packed(2048, 4096, 4, 128, mins=True, perm=False, dtype=torch.float16, device="cuda")
+    for m in (1, 8):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
+        cfg = quant_gemm.pick_config(x, pw, None)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert cfg in quant_gemm.candidates(m, 2048, 4096, 4, 128, sms)
+        check(m, pw, torch.float16, "cuda", bias=False, cfg=cfg)
+    assert len(quant_gemm._picked) == 2
