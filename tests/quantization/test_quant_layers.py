@@ -159,6 +159,14 @@ def test_fp8_linear_twin_is_close_to_float():
     err = (out - ref).abs().max().item()
     assert 0 < err < 0.05 * ref.abs().max().item()
     assert layer.weight_nbytes == 64 * 128 + 64 * 4
+    # a dtype cast changes the compute dtype only: the fp8 codes and float32 scales are kept as they are
+    codes, scale = layer.weight_fp8.clone(), layer.weight_scale.clone()
+    layer.to(torch.float64)
+    assert torch.equal(layer.weight_fp8.float(), codes.float()) and layer.weight_fp8.dtype == torch.float8_e4m3fn
+    assert torch.equal(layer.weight_scale, scale) and layer.bias.dtype == torch.float64
+    out64 = layer(x.double())
+    assert out64.dtype == torch.float64
+    torch.testing.assert_close(out64, fp8_linear_reference(x.double(), layer.fp8_weight, layer.bias))
 
 
 def test_dequantized_packed_weight_is_what_the_layer_multiplies():

@@ -170,9 +170,20 @@ class QuantizableMixin:
         self._set_impl(self.impl)
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        if self.quant != "fp8":  # packed codes are integers: a dtype cast reaches only the scales and mins
+            out = super()._apply(fn, recurse)  # type: ignore[misc]
+            if self.quant is not None:
+                self._rebuild()
+            return out
+        # fp8 codes and their float32 scales count as floating point, yet a cast (``.half()``) must not touch them:
+        # they only follow the move, and the compute dtype follows the cast (read off an empty probe tensor).
+        probe = fn(torch.empty(0, dtype=self._fp8_dtype, device=self.weight_fp8.device))
+        kept = {name: self._buffers.pop(name) for name in ("weight_fp8", "weight_scale")}
         out = super()._apply(fn, recurse)  # type: ignore[misc]
-        if self.quant is not None:
-            self._rebuild()
+        for name, t in kept.items():
+            self._buffers[name] = t.to(probe.device)
+        self._fp8_dtype = probe.dtype
+        self._rebuild()
         return out
 
     def _quant_impl(self, impl: str):
