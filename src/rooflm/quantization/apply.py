@@ -52,10 +52,9 @@ def quantize_model(model: nn.Module, qcfg: QuantConfig) -> list[str]:
     """Quantize every float ``Linear`` of ``model`` but those marked ``keep_float``, and the LM head when
     ``qcfg.lm_head``. Returns the names of the layers quantized. ValueError naming ``quantization`` for fp8 on a
     GPU without fp8 tensor cores."""
-    if qcfg.method == "fp8":
-        for p in model.parameters():
-            check_fp8_device(p.device)
-            break
+    first = next(model.parameters(), None)
+    if qcfg.method == "fp8" and first is not None:
+        check_fp8_device(first.device)
     done: list[str] = []
     for name, m in model.named_modules():
         take = (isinstance(m, Linear) and not m.keep_float) or (isinstance(m, LMHead) and qcfg.lm_head)
