@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,6 +27,9 @@ from torch import nn
 from rooflm.attention.backend import AttentionBackend
 from rooflm.config import LOAD_FORMATS, ModelConfig, load_model_config, named_configs
 from rooflm.loader.default_model import default_model_path
+
+if TYPE_CHECKING:
+    from rooflm.quantization.config import QuantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -120,25 +124,29 @@ def load_model(
     seed: int = 0,
     show_progress: bool = True,
     ops: str = "auto",
-    quantization: str | None = None,
+    quantization: "str | QuantConfig | None" = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for ``model`` on ``device`` in ``dtype`` and fill its weights. Returns (model in eval mode,
     its ModelConfig).
 
     ``ops`` ("auto" | "native" | "triton") picks the layers' implementation and ``attn_backend`` ("auto" | "torch" |
     "triton", or a backend object, whose ``name`` is used) the attention backend; see ``rooflm.layers.custom_op``.
-    ``quantization``: None (what the checkpoint holds: float, GPTQ/AWQ, or a GGUF file kept quantized) or one of
-    ``rooflm.quantization.QUANTIZATION_METHODS`` (see ``resolve_quantization``).
+    ``quantization``: None (what the checkpoint holds: float, GPTQ/AWQ, or a GGUF file kept quantized), one of
+    ``rooflm.quantization.QUANTIZATION_METHODS`` (see ``resolve_quantization``), or a ``QuantConfig`` (e.g. with
+    ``lm_head=True`` to quantize the LM head too, or another RTN ``group_size``).
     Errors: FileNotFoundError for a missing model/weight file, ValueError for a bad ``ops``/``attn_backend``/
     ``quantization`` value, a corrupt file, a missing tensor, a shape mismatch or an unsupported architecture (each
     naming the thing)."""
     from rooflm.layers.custom_op import OpSelection, op_selection
     from rooflm.models import get_model_class
-    from rooflm.quantization.config import check_quantization
+    from rooflm.quantization.config import QuantConfig, check_quantization
 
     device = torch.device(device)
     attention = _attention_setting(attn_backend)
     OpSelection(device, ops, attention)  # ValueError naming the field before any file is read
+    qcfg = quantization if isinstance(quantization, QuantConfig) else None
+    if qcfg is not None:
+        quantization = qcfg.method
     check_quantization(quantization)
     dtype = _as_dtype(dtype, device)
     path, fmt = resolve_model(model, load_format)
@@ -183,9 +191,8 @@ def load_model(
         net.load_weights(_progress(tensors, len(reader.tensors), show_progress, "Loading GGUF weights"))
     if method in LOAD_TIME_METHODS:
         from rooflm.quantization.apply import quantize_model
-        from rooflm.quantization.config import QuantConfig
 
-        quantize_model(net, QuantConfig(method))
+        quantize_model(net, qcfg or QuantConfig(method))
     logger.info("loaded %s (%s, %s, quantization %s) on %s", path, cfg.architecture, fmt, method, device)
     return net.eval(), cfg
 
