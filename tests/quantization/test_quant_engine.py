@@ -88,3 +88,33 @@ def test_packed_model_reports_smaller_weight_bytes_to_the_roofline(tiny_config):
     assert q_llm.engine.roofline.predict(*decode) == same.predict(*decode)
     with pytest.raises(ValueError, match="weight_format='4' is invalid"):
         LiveRoofline(q_llm.engine.model_config, torch.float32, hw, weight_format="4")
+
+
+def test_bench_roofline_bounds_use_the_packed_weight_bytes(tiny_config):
+    """bench latency's analytic bound reads the same measured format: fewer weight bytes, a shorter decode step."""
+    from rooflm.bench.latency import roofline_bounds
+    from rooflm.config import load_model_config
+    from rooflm.loader import load_model
+    from rooflm.quantization.apply import projection_weight_bytes, weight_format
+
+    model, cfg = load_model(str(tiny_config), show_progress=False, quantization="w8a16")
+    ceilings = {"device": "test", "copy_gbps": 10.0, "matmul_tflops": 1.0}
+    fmt = weight_format(model)
+    assert fmt.name == "8"
+    plain = roofline_bounds(load_model_config(str(tiny_config)), ceilings, 1, 8, 4)
+    quant = roofline_bounds(cfg, ceilings, 1, 8, 4, w_bits=fmt)
+    q_bytes, elems = projection_weight_bytes(model)
+    # the projections' share of the weight bytes shrinks from 2 bytes (16-bit) to the measured bytes per element
+    assert plain["weights_bytes"] - quant["weights_bytes"] == pytest.approx(2 * elems - q_bytes)
+    assert quant["decode_step_bytes"] < plain["decode_step_bytes"]
+    assert quant["tpot_s"] < plain["tpot_s"]
+
+
+def test_bench_cli_takes_quantization():
+    from rooflm.bench import latency, throughput
+
+    for mod in (latency, throughput):
+        parser = argparse.ArgumentParser()
+        mod.add_arguments(parser)
+        assert parser.parse_args(["--quantization", "w4a16"]).quantization == "w4a16"
+        assert parser.parse_args([]).quantization is None

@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", default=None, choices=["on", "off"],
                    help="schedule step N+1 while step N runs (default: on for CUDA, off on the CPU)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--quantization", default=None,
+                   help="none | w8a16 | w4a16 | gptq | awq | gguf | fp8 (default: what the checkpoint holds)")
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
     p.add_argument("--hf-num-prompts", type=int, default=64)
     p.add_argument("--hf-batch-size", type=int, default=32)
@@ -67,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
               enforce_eager=args.enforce_eager, async_scheduling=_async_flag(args),
               speculative_config=args.speculative_config,
               attention_backend=args.attention_backend, seed=args.seed,
-              show_progress=False)
+              quantization=args.quantization, show_progress=False)
     init_s = time.perf_counter() - t0
     engine = llm.engine
     cfg = engine.model_config
