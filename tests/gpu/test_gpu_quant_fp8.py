@@ -33,8 +33,8 @@ def test_scaled_mm_matches_twin(dtype, m):
     bias = torch.randn(192, device="cuda", dtype=dtype)
     out = fp8_linear_scaled_mm(x, fw, bias)
     assert out.dtype == dtype and out.shape == (m, 192)
-    # identical fp8 operands on both sides: only the float32 accumulation order and the bf16 output rounding differ
-    _close(out, fp8_linear_reference(x, fw, bias), 1e-2)
+    # identical fp8 operands on both sides: only the float32 accumulation order and the output rounding differ
+    _close(out, fp8_linear_reference(x, fw, bias), 1.5e-2)
     _close(out, torch.nn.functional.linear(x.float(), w, bias.float()), 0.08)  # and close to the float matmul
 
 
@@ -49,7 +49,7 @@ def test_linear_chooses_scaled_mm_on_the_fast_path_and_the_twin_on_the_reference
     fast = layer(x)
     select_ops(layer, "native")
     assert layer._impl_fn is _fp8_twin
-    _close(fast, layer(x), 1e-2)
+    _close(fast, layer(x), 1.5e-2)
 
 
 def test_fp8_model_on_gpu_matches_its_twin(tmp_path):

@@ -99,12 +99,11 @@ def scaled_mm_shape_ok(fw: Fp8Weight) -> bool:
 
 
 def fp8_linear_scaled_mm(x: torch.Tensor, fw: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as ``fp8_linear_reference``, on fp8 tensor cores (``torch._scaled_mm``, row-wise scales).
-    Row-wise scaling produces bfloat16 (the only output type PyTorch's row-wise path accepts); other activation
-    dtypes get the result cast back."""
+    """Same contract as ``fp8_linear_reference``, on fp8 tensor cores (``torch._scaled_mm`` with row-wise scales,
+    accumulating in float32 and writing x's dtype)."""
     lead = x.shape[:-1]
     xq, sx = quantize_fp8_per_token(x.reshape(-1, x.shape[-1]))
     # _scaled_mm wants the second operand column-major: w_fp8.T of a row-major [N, K] weight is exactly that.
-    y = torch._scaled_mm(xq, fw.weight.t(), scale_a=sx, scale_b=fw.scale[None, :], out_dtype=torch.bfloat16)
-    y = y.to(x.dtype).reshape(*lead, fw.out_features)
+    y = torch._scaled_mm(xq, fw.weight.t(), scale_a=sx, scale_b=fw.scale[None, :], out_dtype=x.dtype)
+    y = y.reshape(*lead, fw.out_features)
     return y if bias is None else y + bias
