@@ -12,7 +12,7 @@ import torch
 from rooflm.layers.linear import Linear
 from rooflm.loader import load_model
 from rooflm.models.weights import WeightTarget, load_named_weights, rows
-from rooflm.quantization.packed import PackedWeight, dequantize
+from rooflm.quantization.packed import dequantize
 from rooflm.quantization.rtn import quantize_rtn
 
 PROJ_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
@@ -64,8 +64,7 @@ def test_packed_shards_into_fused_qkv_equal_float_then_quantize(tiny_checkpoint,
 
 def _fused_target():
     layer = Linear(16, 24)
-    return layer, {"q.weight": WeightTarget(layer.weight, rows(0, 8)), "k.weight": WeightTarget(layer.weight, rows(8, 8)),
-                   "v.weight": WeightTarget(layer.weight, rows(16, 8))}
+    return layer, {f"{name}.weight": WeightTarget(layer.weight, rows(8 * i, 8)) for i, name in enumerate("qkv")}
 
 
 def test_packed_shards_arrive_in_any_order():

@@ -4,4 +4,5 @@ from rooflm.quantization.config import QUANTIZATION_METHODS, QuantConfig
 from rooflm.quantization.packed import PackedWeight, cat_rows, dequantize, pack_int4, unpack_int4
 from rooflm.quantization.rtn import quantize_rtn
 
-__all__ = ["QUANTIZATION_METHODS", "QuantConfig", "PackedWeight", "cat_rows", "dequantize", "pack_int4", "unpack_int4", "quantize_rtn"]
+__all__ = ["QUANTIZATION_METHODS", "QuantConfig", "PackedWeight", "cat_rows", "dequantize", "pack_int4",
+           "unpack_int4", "quantize_rtn"]

@@ -136,7 +136,8 @@ def analyze(model: "str | ModelConfig", hardware: str | Hardware = "a6000", *, b
     hardware: a catalog key (``a6000``, ``h100-sxm``, ...), or a ``Hardware`` (e.g. ``Hardware.from_measured``).
     batch, input_len (prompt tokens), output_len (generated tokens, >= 1: prefill gives the first).
     w_bits / a_bits / kv_bits: 32, 16, bf16, 8, fp8 or 4; w_bits may also be a ``Format`` whose bytes per element
-    are those a quantized model's packed weights take (scales and zero points included). tp: tensor-parallel degree (figures per GPU).
+    are those a quantized model's packed weights take (scales and zero points included).
+    tp: tensor-parallel degree (figures per GPU).
     decode_context: tokens the reported decode step attends to (default input_len, as in Table 1 of Yuan et al. 2024).
     prefill_logits: "all" (lm_head on every prompt token) or "last" (only the sampled positions).
     Returns ``AnalysisResult``: ``.prefill`` / ``.decode`` (rows + totals), ``.memory``, ``.request``."""
