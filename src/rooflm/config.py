@@ -251,6 +251,10 @@ class EngineConfig:
     mlfq_starvation_steps: int = SchedulerConfig.mlfq_starvation_steps
     fair_input_weight: float = SchedulerConfig.fair_input_weight
     fair_output_weight: float = SchedulerConfig.fair_output_weight
+    # How the projections are stored and multiplied (vLLM's names; rooflm.quantization.config): None (what the
+    # checkpoint holds: float, GPTQ/AWQ, or a GGUF file kept quantized), "none", "w8a16", "w4a16", "gptq", "awq",
+    # "gguf", "fp8".
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -264,6 +268,10 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
             raise _bad("EngineConfig", "attention_backend", self.attention_backend,
                        "'auto', 'torch', 'triton' or 'cpu'")
+        from rooflm.quantization.config import QUANTIZATION_METHODS
+
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise _bad("EngineConfig", "quantization", self.quantization, f"None or one of {QUANTIZATION_METHODS}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise _bad("EngineConfig", "gpu_memory_utilization", self.gpu_memory_utilization, "a number in (0, 1]")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):

@@ -18,7 +18,8 @@ class LLM:
 
     Keyword arguments are ``EngineConfig`` fields: load_format, dtype, device, tokenizer, max_model_len,
     kv_cache_memory, kv_cache_dtype ("auto" | "int8" | "fp8"), block_size, max_num_batched_tokens, max_num_seqs,
-    enable_prefix_caching, seed, enforce_eager, attention_backend, num_gpu_blocks_override, show_progress.
+    enable_prefix_caching, seed, enforce_eager, attention_backend, num_gpu_blocks_override, show_progress,
+    quantization ("w8a16", "w4a16", "fp8", ...; see ``rooflm.quantization.config``).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

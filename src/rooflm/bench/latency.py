@@ -47,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", default=None, choices=["on", "off"],
                    help="schedule step N+1 while step N runs (default: on for CUDA, off on the CPU)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"])
+    p.add_argument("--quantization", default=None,
+                   help="none | w8a16 | w4a16 | gptq | awq | gguf | fp8 (default: what the checkpoint holds)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                   help="KV cache element type (default auto: the model's dtype)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step (default: max(2048, input_len), so one prompt is one prefill step)")
     p.add_argument("--kv-cache-memory-gib", type=float, default=None,
@@ -148,8 +152,10 @@ def hf_generate_time(model, prompts: list[list[int]], new_tokens: int) -> tuple[
     return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
 
 
-def roofline_bounds(cfg, ceilings: dict, batch: int, input_len: int, output_len: int) -> dict | None:
-    """Best-possible TTFT / TPOT and the bytes and FLOPs they imply, from rooflm.roofline on the measured ceilings."""
+def roofline_bounds(cfg, ceilings: dict, batch: int, input_len: int, output_len: int, w_bits: object = 16
+                    ) -> dict | None:
+    """Best-possible TTFT / TPOT and the bytes and FLOPs they imply, from rooflm.roofline on the measured ceilings.
+    ``w_bits``: the projection weights' format (a quantized model's ``rooflm.quantization.apply.weight_format``)."""
     try:
         from rooflm.roofline import Hardware, analyze
     except ImportError:
@@ -158,7 +164,7 @@ def roofline_bounds(cfg, ceilings: dict, batch: int, input_len: int, output_len:
     hw = Hardware.from_measured(ceilings["copy_gbps"], {"fp16": peak, "bf16": peak, "fp32": peak / 2},
                                 memory_gib=1024, name=f"measured {ceilings['device']}")
     r = analyze(cfg, hw, batch=batch, input_len=input_len, output_len=output_len, flash_attention=True,
-                prefill_logits="last")
+                prefill_logits="last", w_bits=w_bits)
     steps = max(1, output_len - 1)
     return {"ttft_s": r.request.ttft_s, "tpot_s": r.request.tpot_s,
             "decode_step_bytes": (r.request.memory_access - r.prefill.totals.memory_access) / steps,
@@ -228,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=L_in + L_out, kv_cache_memory=kv_bytes, max_num_seqs=B,
         max_num_batched_tokens=args.max_num_batched_tokens or max(2048, L_in), enable_prefix_caching=False,
         enforce_eager=args.enforce_eager, async_scheduling=_async_flag(args),
-        attention_backend=args.attention_backend, seed=args.seed,
+        attention_backend=args.attention_backend, seed=args.seed, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         show_progress=False))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -267,7 +274,9 @@ def run(args: argparse.Namespace) -> int:
     }
     if live:
         res["live_roofline"] = live
-    bounds = roofline_bounds(cfg, ceilings, B, L_in, L_out)
+    from rooflm.quantization.apply import weight_format
+
+    bounds = roofline_bounds(cfg, ceilings, B, L_in, L_out, w_bits=weight_format(engine.model) or 16)
     if bounds:
         res["roofline"] = bounds
         res["achieved_gbps"] = bounds["decode_step_bytes"] / med["tpot_s"] / 1e9

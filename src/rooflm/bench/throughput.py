@@ -36,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", default=None, choices=["on", "off"],
                    help="schedule step N+1 while step N runs (default: on for CUDA, off on the CPU)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"])
+    p.add_argument("--quantization", default=None,
+                   help="none | w8a16 | w4a16 | gptq | awq | gguf | fp8 (default: what the checkpoint holds)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                   help="KV cache element type (default auto: the model's dtype)")
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
     p.add_argument("--hf-num-prompts", type=int, default=64)
     p.add_argument("--hf-batch-size", type=int, default=32)
@@ -67,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
               enforce_eager=args.enforce_eager, async_scheduling=_async_flag(args),
               speculative_config=args.speculative_config,
               attention_backend=args.attention_backend, seed=args.seed,
-              show_progress=False)
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, show_progress=False)
     init_s = time.perf_counter() - t0
     engine = llm.engine
     cfg = engine.model_config

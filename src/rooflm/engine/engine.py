@@ -79,7 +79,7 @@ class LLMEngine:
             model, model_config = load_model(
                 config.model, load_format=config.load_format, dtype=self.dtype, device=self.device,
                 attn_backend=config.attention_backend, ops=config.ops, seed=config.seed,
-                show_progress=config.show_progress)
+                show_progress=config.show_progress, quantization=config.quantization)
             if config.load_format != "dummy" or config.tokenizer:
                 tokenizer = load_tokenizer(config.tokenizer or config.model)
         elif model_config is None:
@@ -93,8 +93,12 @@ class LLMEngine:
         # KV pool takes the memory the measurement needs).
         from rooflm.roofline.live import LiveRoofline
 
+        from rooflm.quantization.apply import weight_format
+
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)  # the cache's element type
-        self.roofline = LiveRoofline.for_engine(cfg, self.dtype, self.device, kv_dtype=self.kv_dtype)
+        # a quantized model's bound is for the bytes its packed weights (and its cache) really take
+        self.roofline = LiveRoofline.for_engine(cfg, self.dtype, self.device, kv_dtype=self.kv_dtype,
+                                                weight_format=weight_format(self.model))
         num_blocks = self._num_blocks(cfg)
         self.max_model_len = self._max_model_len(cfg, num_blocks)
         self.eos_token_ids = self._eos_ids(cfg)

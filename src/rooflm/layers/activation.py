@@ -36,7 +36,7 @@ class SiluAndMulLinear(CustomOp):
 
     The reference path calls the two modules in turn. The Triton path, at decode sizes, reads [gate | up] inside the
     projection's GEMV (``rooflm.kernels.fused_gemv.silu_mul_gemv``) where that was measured faster for the shape
-    (``pick_silu_mul_gemv``); otherwise the two modules in turn."""
+    (``pick_silu_mul_gemv``); otherwise the two modules in turn, as always when ``proj`` holds a quantized weight."""
 
     def __init__(self, act: CustomOp, proj: Linear) -> None:
         super().__init__()
@@ -53,10 +53,11 @@ class SiluAndMulLinear(CustomOp):
         return proj(act(gate_up))
 
     def forward_cuda(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.fuse and gate_up.dim() == 2 and gate_up.shape[0] <= GEMV_MAX_ROWS:
+        _, proj = self._parts
+        # a quantized proj has no float weight for the fused GEMV to read: the activation, then the quantized matmul
+        if self.fuse and not proj.quantized and gate_up.dim() == 2 and gate_up.shape[0] <= GEMV_MAX_ROWS:
             from rooflm.kernels.fused_gemv import pick_silu_mul_gemv, silu_mul_gemv
 
-            _, proj = self._parts
             cfg = pick_silu_mul_gemv(gate_up, proj.weight, proj.bias)
             if cfg is not None:
                 return silu_mul_gemv(gate_up, proj.weight, proj.bias, cfg)

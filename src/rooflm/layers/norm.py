@@ -74,7 +74,8 @@ class RMSNormLinear(CustomOp):
 
     The reference path calls the two modules in turn, as an unfused layer does. The Triton path, at decode sizes,
     runs the add, the norm and the projection as one GEMV (``rooflm.kernels.fused_gemv.rmsnorm_gemv``) where that
-    was measured faster for the shape (``pick_rmsnorm_gemv``); otherwise the two modules in turn."""
+    was measured faster for the shape (``pick_rmsnorm_gemv``); otherwise the two modules in turn, as always when
+    ``proj`` holds a quantized weight."""
 
     def __init__(self, norm: RMSNorm, proj: Linear) -> None:
         super().__init__()
@@ -99,10 +100,11 @@ class RMSNormLinear(CustomOp):
     def forward_cuda(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fuse and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+        norm, proj = self._parts
+        # a quantized proj has no float weight for the fused GEMV to read: norm, then the quantized matmul
+        if self.fuse and not proj.quantized and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
             from rooflm.kernels.fused_gemv import pick_rmsnorm_gemv, rmsnorm_gemv
 
-            norm, proj = self._parts
             pick = pick_rmsnorm_gemv(x, proj.weight, proj.bias, norm.eps)
             if pick is not None and (residual is None or residual.shape == x.shape):
                 cfg, one_pass = pick

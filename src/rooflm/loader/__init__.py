@@ -8,6 +8,10 @@ Accepted ``model`` values:
 
 The model is built inside ``op_selection(device, ops, attention)`` (``rooflm.layers.custom_op``): each layer picks
 its reference or Triton implementation, and its attention backend, once, there.
+
+``quantization`` (``rooflm.quantization.config``) decides how the projections are stored: a GPTQ/AWQ checkpoint is
+read packed, a GGUF file keeps its quantized blocks (``"gguf"``, the default; ``"none"`` dequantizes them),
+``"w8a16"`` / ``"w4a16"`` / ``"fp8"`` quantize float weights once they are loaded.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,6 +27,9 @@ from torch import nn
 from rooflm.attention.backend import AttentionBackend
 from rooflm.config import LOAD_FORMATS, ModelConfig, load_model_config, named_configs
 from rooflm.loader.default_model import default_model_path
+
+if TYPE_CHECKING:
+    from rooflm.quantization.config import QuantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -116,20 +124,30 @@ def load_model(
     seed: int = 0,
     show_progress: bool = True,
     ops: str = "auto",
+    quantization: "str | QuantConfig | None" = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for ``model`` on ``device`` in ``dtype`` and fill its weights. Returns (model in eval mode,
     its ModelConfig).
 
     ``ops`` ("auto" | "native" | "triton") picks the layers' implementation and ``attn_backend`` ("auto" | "torch" |
     "triton", or a backend object, whose ``name`` is used) the attention backend; see ``rooflm.layers.custom_op``.
-    Errors: FileNotFoundError for a missing model/weight file, ValueError for a bad ``ops``/``attn_backend`` value, a
-    corrupt file, a missing tensor, a shape mismatch or an unsupported architecture (each naming the thing)."""
+    ``quantization``: None (what the checkpoint holds: float, GPTQ/AWQ, or a GGUF file kept quantized), one of
+    ``rooflm.quantization.QUANTIZATION_METHODS`` (see ``resolve_quantization``), or a ``QuantConfig`` (e.g. with
+    ``lm_head=True`` to quantize the LM head too, or another RTN ``group_size``).
+    Errors: FileNotFoundError for a missing model/weight file, ValueError for a bad ``ops``/``attn_backend``/
+    ``quantization`` value, a corrupt file, a missing tensor, a shape mismatch or an unsupported architecture (each
+    naming the thing)."""
     from rooflm.layers.custom_op import OpSelection, op_selection
     from rooflm.models import get_model_class
+    from rooflm.quantization.config import QuantConfig, check_quantization
 
     device = torch.device(device)
     attention = _attention_setting(attn_backend)
     OpSelection(device, ops, attention)  # ValueError naming the field before any file is read
+    qcfg = quantization if isinstance(quantization, QuantConfig) else None
+    if qcfg is not None:
+        quantization = qcfg.method
+    check_quantization(quantization)
     dtype = _as_dtype(dtype, device)
     path, fmt = resolve_model(model, load_format)
     if fmt == "gguf":
@@ -139,6 +157,11 @@ def load_model(
     else:
         cfg = load_model_config(path)
     model_cls = get_model_class(cfg)  # unsupported architecture: ValueError before any allocation
+    method = resolve_quantization(quantization, fmt, cfg)
+    if method == "fp8":
+        from rooflm.quantization.fp8 import check_fp8_device
+
+        check_fp8_device(device)
 
     with _build_on(dtype, device), op_selection(device, ops, attention):
         net = model_cls(cfg)
@@ -150,12 +173,71 @@ def load_model(
         from rooflm.loader.safetensors import count_tensors, iter_safetensors, safetensors_files
 
         files = safetensors_files(path)
-        net.load_weights(_progress(iter_safetensors(files), count_tensors(files), show_progress, "Loading weights"))
+        if method in CHECKPOINT_METHODS:
+            from rooflm.quantization.checkpoint import iter_quantized_safetensors
+
+            tensors = iter_quantized_safetensors(files, cfg.hf_config["quantization_config"], dtype)
+        else:
+            tensors = iter_safetensors(files)
+        net.load_weights(_progress(tensors, count_tensors(files), show_progress, "Loading weights"))
     else:
         from rooflm.loader.gguf import iter_gguf_tensors, open_gguf
 
         reader = open_gguf(path)
-        net.load_weights(_progress(iter_gguf_tensors(reader, cfg), len(reader.tensors), show_progress,
-                                   "Loading GGUF weights"))
-    logger.info("loaded %s (%s, %s) on %s", path, cfg.architecture, fmt, device)
+        if method == "gguf":
+            tensors = iter_gguf_tensors(reader, cfg, keep_quantized=True)
+        else:
+            tensors = iter_gguf_tensors(reader, cfg)
+        net.load_weights(_progress(tensors, len(reader.tensors), show_progress, "Loading GGUF weights"))
+    if method in LOAD_TIME_METHODS:
+        from rooflm.quantization.apply import quantize_model
+
+        quantize_model(net, qcfg or QuantConfig(method))
+    logger.info("loaded %s (%s, %s, quantization %s) on %s", path, cfg.architecture, fmt, method, device)
     return net.eval(), cfg
+
+
+LOAD_TIME_METHODS = ("w8a16", "w4a16", "fp8")  # applied to float weights after they are loaded
+CHECKPOINT_METHODS = ("gptq", "awq")
+
+
+def checkpoint_quantization(cfg: ModelConfig) -> str | None:
+    """The ``quant_method`` of a checkpoint's ``config.json`` ``quantization_config`` ("gptq", "awq"), None for a
+    float checkpoint; ValueError for a method rooflm cannot read."""
+    qc = cfg.hf_config.get("quantization_config")
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower() if isinstance(qc, dict) else ""
+    if method not in CHECKPOINT_METHODS:
+        raise ValueError(f"quantization_config.quant_method={method!r} of {cfg.name} is not supported: expected one "
+                         f"of {CHECKPOINT_METHODS}")
+    return method
+
+
+def resolve_quantization(quantization: str | None, fmt: str, cfg: ModelConfig) -> str:
+    """The method a load applies, from ``quantization`` and what the checkpoint holds:
+
+    - a GPTQ/AWQ checkpoint: its own method (None or the same name; anything else contradicts it);
+    - a GGUF file: "gguf" (kept quantized) for None, "none" to dequantize, or a load-time method on the
+      dequantized weights;
+    - float weights (safetensors without ``quantization_config``, dummy): "none" for None, or a load-time method.
+    ValueError naming ``quantization`` for a value that contradicts the checkpoint."""
+    ckpt = checkpoint_quantization(cfg) if fmt == "safetensors" else None
+    if ckpt is not None:
+        if quantization not in (None, ckpt):
+            raise ValueError(f"quantization={quantization!r} contradicts the checkpoint {cfg.name}, which is "
+                             f"quantized with {ckpt!r}: pass quantization={ckpt!r} or None")
+        return ckpt
+    if fmt == "gguf":
+        allowed = ("gguf", "none") + LOAD_TIME_METHODS
+        default = "gguf"
+    else:
+        allowed = ("none",) + LOAD_TIME_METHODS
+        default = "none"
+    if quantization is None:
+        return default
+    if quantization not in allowed:
+        what = "a GGUF file" if fmt == "gguf" else ("random weights" if fmt == "dummy" else "a float checkpoint")
+        raise ValueError(f"quantization={quantization!r} does not apply to {what} ({cfg.name}): expected None or one "
+                         f"of {allowed}")
+    return quantization

@@ -27,6 +27,7 @@ from rooflm.layers.linear import Linear
 from rooflm.layers.norm import RMSNorm, RMSNormLinear
 from rooflm.layers.rotary import RotaryEmbedding
 from rooflm.models.weights import WeightTarget, load_named_weights, rows
+from rooflm.quantization.packed import PackedWeight
 
 
 def layer_sliding_window(cfg: ModelConfig, layer_idx: int) -> int | None:
@@ -235,10 +236,11 @@ class LlamaForCausalLM(nn.Module):
         return t
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors (any dtype; cast on copy). Raises ValueError on a missing tensor or a shape mismatch."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:
+        """Load HF-named tensors (any dtype; cast on copy) or quantized ``PackedWeight``s (kept packed in the
+        projections, see ``rooflm.models.weights``). Raises ValueError on a missing tensor or a shape mismatch."""
         optional = ("lm_head.weight",) if self.lm_head.tied else ()
-        load_named_weights(self.weight_targets(), weights, optional=optional)
+        load_named_weights(self.weight_targets(), weights, optional=optional, model=self)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

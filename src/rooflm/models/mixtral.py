@@ -4,6 +4,10 @@ Expert weights are stacked per layer: ``w13`` [num_experts, 2 * intermediate, hi
 ``w2`` [num_experts, hidden, intermediate]. The routing and expert loop here is the plain torch reference; a fused
 MoE kernel can replace ``moe_forward`` behind the same signature. On the Triton path the expert projections of small
 batches go to the GEMV kernels (``linear_triton``) and the activation is the fused ``SiluAndMul``.
+
+Quantization (``rooflm.quantization``) covers the attention projections (``Linear``) and, if asked, the LM head; the
+stacked experts stay float (a quantized weight of a checkpoint is dequantized into them at load time), and so does
+the router, whose top-k choice a rounding error would flip (GPTQ and AWQ checkpoints leave it float too).
 """
 from __future__ import annotations
 
@@ -52,6 +56,7 @@ class MixtralMoE(CustomOp):
         self.top_k = cfg.num_experts_per_tok
         self.intermediate_size = cfg.intermediate_size
         self.gate = Linear(cfg.hidden_size, self.num_experts)  # the router
+        self.gate.keep_float = True  # load-time quantization leaves it float
         self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * cfg.intermediate_size, cfg.hidden_size),
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(self.num_experts, cfg.hidden_size, cfg.intermediate_size),

@@ -2,13 +2,13 @@
 prefill + every decode step with its growing cache. Pure Python (no torch), so ``rooflm analyze`` starts fast."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterable
 
 from rooflm.roofline.hardware import Hardware, get_hardware
 from rooflm.roofline.ops import (Counting, Dims, OpCount, attention_ops, block_ops, kv_cache_bytes, model_ops,
                                  weight_bytes)
-from rooflm.roofline.precision import DEQUANT_OPS_PER_ELEMENT, Precision, compute_key, elementwise_key
+from rooflm.roofline.precision import DEQUANT_OPS_PER_ELEMENT, Format, Precision, compute_key, elementwise_key
 from rooflm.roofline.records import AnalysisResult, LayerRecord, MemoryResult, RequestResult, StageResult, Totals
 
 if TYPE_CHECKING:
@@ -135,7 +135,9 @@ def analyze(model: "str | ModelConfig", hardware: str | Hardware = "a6000", *, b
     model: a named config (``llama-2-7b``), a config.json / checkpoint folder / .gguf path, or a ``ModelConfig``.
     hardware: a catalog key (``a6000``, ``h100-sxm``, ...), or a ``Hardware`` (e.g. ``Hardware.from_measured``).
     batch, input_len (prompt tokens), output_len (generated tokens, >= 1: prefill gives the first).
-    w_bits / a_bits / kv_bits: 32, 16, bf16, 8, fp8 or 4. tp: tensor-parallel degree (figures per GPU).
+    w_bits / a_bits / kv_bits: 32, 16, bf16, 8, fp8 or 4; w_bits may also be a ``Format`` whose bytes per element
+    are those a quantized model's packed weights take (scales and zero points included).
+    tp: tensor-parallel degree (figures per GPU).
     decode_context: tokens the reported decode step attends to (default input_len, as in Table 1 of Yuan et al. 2024).
     prefill_logits: "all" (lm_head on every prompt token) or "last" (only the sampled positions).
     Returns ``AnalysisResult``: ``.prefill`` / ``.decode`` (rows + totals), ``.memory``, ``.request``."""
@@ -145,7 +147,10 @@ def analyze(model: "str | ModelConfig", hardware: str | Hardware = "a6000", *, b
     context = _positive("decode_context", input_len if decode_context is None else decode_context)
     cfg = resolve_model(model)
     hw = hardware if isinstance(hardware, Hardware) else get_hardware(hardware, device_file)
-    p = Precision.of(w_bits, a_bits, kv_bits)
+    if isinstance(w_bits, Format):  # a quantized model's measured format (rooflm.quantization.apply)
+        p = replace(Precision.of(16, a_bits, kv_bits), weight=w_bits)
+    else:
+        p = Precision.of(w_bits, a_bits, kv_bits)
     x = _Ctx(Dims.of(cfg, tp), p, Counting(bool(flash_attention), prefill_logits, llm_viewer_elementwise), hw)
 
     prefill = _stage(x, "prefill", batch, input_len, input_len)

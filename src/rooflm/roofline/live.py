@@ -20,13 +20,13 @@ from __future__ import annotations
 import bisect
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from rooflm.roofline.analyzer import _Ctx
 from rooflm.roofline.hardware import GB, TERA, Hardware, get_hardware
 from rooflm.roofline.ops import Counting, Dims, OpCount, attention_ops, block_ops, causal_pairs, model_ops
-from rooflm.roofline.precision import Precision, compute_key
+from rooflm.roofline.precision import Format, Precision, compute_key
 
 if TYPE_CHECKING:
     import torch
@@ -99,14 +99,22 @@ class LiveRoofline:
 
     model_config: the served model; dtype: weights and activations (torch dtype); kv_dtype: the KV cache (default
     ``dtype``); hardware: the ceilings (``for_engine`` measures them or takes a catalog entry); tp: tensor-parallel
-    degree (figures per GPU)."""
+    degree (figures per GPU); weight_format: the format of the quantized projection weights, with the bytes per
+    element the model's packed weights really take (``rooflm.quantization.apply.weight_format``), None for float
+    weights in ``dtype``."""
 
     def __init__(self, model_config: "ModelConfig", dtype: "torch.dtype | str", hardware: Hardware, *,
-                 kv_dtype: "torch.dtype | str | None" = None, tp: int = 1) -> None:
+                 kv_dtype: "torch.dtype | str | None" = None, tp: int = 1,
+                 weight_format: "Format | None" = None) -> None:
         if not isinstance(hardware, Hardware):
             raise ValueError(f"hardware={hardware!r} is invalid: expected a rooflm.roofline.Hardware")
+        if weight_format is not None and not isinstance(weight_format, Format):
+            raise ValueError(f"weight_format={weight_format!r} is invalid: expected a rooflm.roofline.precision."
+                             "Format or None")
         bits = dtype_bits(dtype)
         p = Precision.of(bits, bits, dtype_bits(kv_dtype) if kv_dtype is not None else bits)
+        if weight_format is not None:
+            p = replace(p, weight=weight_format)
         self.hardware = hardware
         self.model_config = model_config
         self._x = _Ctx(Dims.of(model_config, tp), p, Counting(flash_attention=True, prefill_logits="last"), hardware)
