@@ -240,7 +240,17 @@ class LlamaForCausalLM(nn.Module):
         """Load HF-named tensors (any dtype; cast on copy) or quantized ``PackedWeight``s (kept packed in the
         projections, see ``rooflm.models.weights``). Raises ValueError on a missing tensor or a shape mismatch."""
         optional = ("lm_head.weight",) if self.lm_head.tied else ()
-        load_named_weights(self.weight_targets(), weights, optional=optional, model=self)
+        load_named_weights(self.weight_targets(), self._packed_tied_head(weights), optional=optional, model=self)
+
+    def _packed_tied_head(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]):
+        """A checkpoint may quantize the output projection even when it ties it to the embedding (a GGUF file keeps
+        ``token_embd`` in its quantized blocks and uses it for both): the tied head then holds that packed weight
+        itself, while the embedding keeps the float copy lookups need."""
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.lm_head.tied and isinstance(tensor, PackedWeight):
+                self.lm_head.set_packed(tensor)
+                continue
+            yield name, tensor
 
 
 class MistralForCausalLM(LlamaForCausalLM):
