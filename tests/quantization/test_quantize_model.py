@@ -1,0 +1,139 @@
+"""Whole-model quantization on tiny random Llama configs: AWQ's folding keeps the float model's function, the
+Hugging Face module names come out whole, and ``rooflm quantize`` writes a folder that reads back into exactly the
+weights the algorithm produced."""
+import json
+
+import pytest
+import torch
+
+from rooflm.cli import main
+from rooflm.loader import load_model
+from rooflm.quantization.calibration import calibration_windows, read_calibration_text, tokenize_calibration
+from rooflm.quantization.checkpoint import iter_quantized_safetensors
+from rooflm.quantization.packed import PackedWeight, dequantize
+from rooflm.quantization.pipeline import QuantizeConfig, quantize_model
+from rooflm.quantization.zeropoint import quantize_int
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
+HF_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+              "mlp.up_proj", "mlp.down_proj")
+
+
+def _config(tmp_path, **over) -> str:
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps({**TINY, **over}))
+    return str(path)
+
+
+def _load(path):
+    return load_model(path, dtype=torch.float32, attn_backend="torch", ops="native", show_progress=False)
+
+
+def _windows(cfg, num_samples=2, seq_len=32):
+    ids = tokenize_calibration(read_calibration_text(), None, cfg.vocab_size)
+    return calibration_windows(ids, num_samples, seq_len)
+
+
+def _logits(model, cfg, ids):
+    from rooflm.attention.metadata_utils import allocate_kv_caches, single_sequence_metadata
+
+    caches = allocate_kv_caches(cfg.num_hidden_layers, 4, 16, cfg.num_key_value_heads, cfg.head_dim)
+    meta, pos = single_sequence_metadata(0, len(ids), 16)
+    with torch.no_grad():
+        return model.compute_logits(model(torch.tensor(ids), pos, caches, meta))
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])  # grouped-query (o_proj unscaled) and multi-head (o_proj into v)
+def test_awq_folding_keeps_the_float_model_and_scales_the_weights(tmp_path, kv_heads):
+    model, cfg = _load(_config(tmp_path, num_key_value_heads=kv_heads))
+    # outlier channels in the residual stream make AWQ pick non-trivial scales
+    model.model.embed_tokens.weight.data[:, ::8] *= 40
+    ids = list(range(3, 40))
+    before = _logits(model, cfg, ids)
+    w_before = model.model.layers[0].self_attn.qkv_proj.weight.detach().clone()
+    result = quantize_model(model, cfg, QuantizeConfig(method="awq", group_size=32), _windows(cfg))
+    after = _logits(model, cfg, ids)
+    assert torch.allclose(after, before, rtol=1e-4, atol=1e-4 * before.abs().max().item())
+    assert any(a > 0 for a in result.alphas.values())
+    assert not torch.allclose(model.model.layers[0].self_attn.qkv_proj.weight, w_before)
+    has_o = any(name.endswith("o_proj") for name in result.alphas)
+    assert has_o == (kv_heads == cfg.num_attention_heads)
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+def test_quantize_model_covers_every_hf_projection(tmp_path, method):
+    model, cfg = _load(_config(tmp_path))
+    float_w = model.model.layers[1].self_attn.qkv_proj.weight.detach().clone()
+    result = quantize_model(model, cfg, QuantizeConfig(method=method, group_size=32), _windows(cfg))
+    want = {f"model.layers.{i}.{m}" for i in range(cfg.num_hidden_layers) for m in HF_MODULES}
+    assert set(result.quantized) == want
+    assert "model.embed_tokens.weight" in result.float_state and "model.norm.weight" in result.float_state
+    assert not any(name.endswith("proj.weight") for name in result.float_state)
+    q = result.quantized["model.layers.1.self_attn.k_proj"]
+    assert q.codes.shape == (cfg.num_key_value_heads * cfg.head_dim, cfg.hidden_size)
+    rows = slice(cfg.num_attention_heads * cfg.head_dim, (cfg.num_attention_heads + 2) * cfg.head_dim)
+    if method == "rtn":  # k_proj is its row range of the fused qkv_proj
+        assert torch.equal(q.codes, quantize_int(float_w[rows], 4, 32).codes)
+    elif method == "gptq":  # error feedback moves weights by more than a step, but far less than other rows differ
+        err = (q.dequantize() - float_w[rows]).abs().mean()
+        assert err < 0.25 * (q.dequantize() - float_w[: rows.stop - rows.start]).abs().mean()
+
+
+@pytest.mark.parametrize("method,extra", [("gptq", []), ("gptq", ["--desc-act", "--bits", "8"]), ("awq", []),
+                                          ("rtn", ["--format", "awq"]), ("awq", ["--format", "gptq"])])
+def test_cli_writes_what_the_algorithm_produced(tmp_path, method, extra):
+    path = _config(tmp_path)
+    out = tmp_path / "out"
+    rc = main(["quantize", path, "--method", method, "--group-size", "32", "--num-samples", "2", "--seq-len", "32",
+               "--out", str(out), *extra])
+    assert rc == 0
+    config = json.loads((out / "config.json").read_text())
+    qc = config["quantization_config"]
+    fmt = "awq" if ("awq" in extra or (method == "awq" and "gptq" not in extra)) else "gptq"
+    assert qc["quant_method"] == fmt and qc["group_size"] == 32
+    read = dict(iter_quantized_safetensors([str(out / "model.safetensors")], qc, torch.float32))
+
+    bits = 8 if "8" in extra else 4
+    model, cfg = _load(path)
+    qcfg = QuantizeConfig(method=method, bits=bits, group_size=32, desc_act="--desc-act" in extra,
+                          num_samples=2, seq_len=32, min_zero=1 if fmt == "gptq" else 0)
+    result = quantize_model(model, cfg, qcfg, _windows(cfg) if method != "rtn" else None)
+    assert {n for n, v in read.items() if isinstance(v, PackedWeight)} == {f"{m}.weight" for m in result.quantized}
+    for module, iq in result.quantized.items():
+        got, want = read[f"{module}.weight"], iq.to_packed(torch.float32)
+        assert torch.equal(got.qweight, want.qweight), module
+        assert torch.equal(got.scales, want.scales) and got.bits == bits
+        assert (got.mins is None) == (want.mins is None)
+        if got.mins is not None:
+            assert torch.equal(got.mins, want.mins)
+        assert (got.perm is None) == (want.perm is None)
+        assert torch.allclose(dequantize(got), iq.dequantize(), atol=1e-6)
+    if "--desc-act" in extra:
+        assert any(v.perm is not None for v in read.values() if isinstance(v, PackedWeight))
+    norm = read["model.layers.0.input_layernorm.weight"]
+    assert norm.dtype == torch.float16
+    assert torch.equal(norm, result.float_state["model.layers.0.input_layernorm.weight"].half())
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--bits", "3"], "--bits"),
+    (["--method", "smoothquant"], "--method"),
+    (["--group-size", "0"], "--group-size"),
+    (["--group-size", "48"], "--group-size"),
+    (["--num-samples", "0"], "--num-samples"),
+    (["--method", "awq", "--bits", "8"], "--bits"),
+    (["--method", "awq", "--desc-act"], "--desc-act"),
+    (["--seq-len", "100000"], "--seq-len"),
+])
+def test_cli_bad_flags_name_the_flag(tmp_path, capsys, argv, flag):
+    path = _config(tmp_path)
+    try:
+        rc = main(["quantize", path, "--out", str(tmp_path / "out"), "--num-samples", "2", *argv])
+    except SystemExit as e:  # argparse rejects the value itself
+        rc = e.code
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert flag in err and argv[-1] in err
+    assert not (tmp_path / "out" / "model.safetensors").exists()
