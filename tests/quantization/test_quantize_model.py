@@ -137,3 +137,50 @@ def test_cli_bad_flags_name_the_flag(tmp_path, capsys, argv, flag):
     err = capsys.readouterr().err
     assert flag in err and argv[-1] in err
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("method,bits", [("gptq", 8), ("awq", 4), ("rtn", 8)])
+def test_written_checkpoint_dequantized_computes_the_float_model(tmp_path, method, bits):
+    """The folder, dequantized into a float model of the same config, gives the original model's logits up to the
+    quantization error: every module's rows, zero points and (for AWQ) folded norms landed where they belong."""
+    path = _config(tmp_path)
+    out = tmp_path / "out"
+    fmt = ["--format", "gptq"] if bits == 8 else []
+    assert main(["quantize", path, "--method", method, "--bits", str(bits), "--group-size", "32",
+                 "--num-samples", "2", "--seq-len", "32", "--out", str(out), *fmt]) == 0
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    weights = [(name, dequantize(v) if isinstance(v, PackedWeight) else v.float())
+               for name, v in iter_quantized_safetensors([str(out / "model.safetensors")], qc, torch.float32)]
+    original, cfg = _load(path)
+    restored, _ = _load(path)
+    restored.load_weights(weights)
+    ids = list(range(5, 45))
+    want, got = _logits(original, cfg, ids), _logits(restored, cfg, ids)
+    err = (got - want).abs().max().item()
+    scale = want.abs().max().item()
+    # 8-bit: float16 weights and 8-bit codes; 4-bit: a coarser grid, still far from a misplaced tensor's O(1) error
+    assert err < (0.02 if bits == 8 else 0.2) * scale
+    shuffled, _ = _load(path)
+    shuffled.load_weights([(n, t.flip(0) if n.endswith("v_proj.weight") else t) for n, t in weights])
+    assert (_logits(shuffled, cfg, ids) - want).abs().max().item() > err
+
+
+def test_cli_reads_a_hf_folder_and_copies_its_tokenizer_files(tmp_path):
+    from safetensors.torch import save_file
+
+    model, _ = _load(_config(tmp_path))
+    src = tmp_path / "hf"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(TINY))
+    save_file({n: t.view().contiguous() for n, t in model.weight_targets().items()}, str(src / "model.safetensors"))
+    (src / "generation_config.json").write_text('{"do_sample": false}')  # copied; no tokenizer to load
+    out = tmp_path / "out"
+    assert main(["quantize", str(src), "--method", "rtn", "--group-size", "-1", "--out", str(out)]) == 0
+    assert (out / "generation_config.json").read_text() == '{"do_sample": false}'
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["group_size"] == -1
+    read = dict(iter_quantized_safetensors([str(out / "model.safetensors")], qc, torch.float32))
+    pw = read["model.layers.0.mlp.down_proj.weight"]
+    assert pw.group_size == TINY["intermediate_size"] and pw.scales.shape == (TINY["hidden_size"], 1)
+    ref = quantize_int(model.model.layers[0].mlp.down_proj.weight, 4, TINY["intermediate_size"], min_zero=1)
+    assert torch.equal(pw.qweight, ref.to_packed(torch.float32).qweight)

@@ -154,14 +154,16 @@ def quantize_model(model: nn.Module, cfg: ModelConfig, qcfg: QuantizeConfig,
         rows = max(1, qcfg.awq_rows // len(windows)) if qcfg.method == "awq" else 0
         stats = collect_stats(model, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, windows,
                               hessian=qcfg.method == "gptq", rows_per_window=rows, seed=qcfg.seed)
+        logger.info("calibrated on %d windows of %d tokens", len(windows), len(windows[0]))
 
     fused: dict[str, IntQuant] = {}
     alphas: dict[str, float] = {}
     if qcfg.method == "awq":
         folds = _awq_folds(model, cfg)
         scales = {}
-        for name, m in linears.items():
+        for i, (name, m) in enumerate(linears.items()):
             g = m.in_features if group == -1 else group
+            _progress(i, len(linears), "AWQ scale search")
             if name in folds:
                 st = stats[name]
                 res = search_scales(m.weight.data, st.samples(), st.abs_mean, qcfg.bits, g, min_zero=qcfg.min_zero)
@@ -174,8 +176,9 @@ def quantize_model(model: nn.Module, cfg: ModelConfig, qcfg: QuantizeConfig,
             fused[name] = awq_quantize(m.weight.data, s, qcfg.bits, g, qcfg.min_zero)
             m.weight.data.mul_(s.to(m.weight.dtype))  # the float model stays equivalent to the quantized one
     else:
-        for name, m in linears.items():
+        for i, (name, m) in enumerate(linears.items()):
             g = m.in_features if group == -1 else group
+            _progress(i, len(linears), qcfg.method.upper())
             if qcfg.method == "gptq":
                 fused[name] = gptq_quantize(m.weight.data, stats[name].hessian.hessian(), qcfg.bits, g,
                                             desc_act=qcfg.desc_act, percdamp=qcfg.percdamp, min_zero=qcfg.min_zero)
@@ -188,6 +191,12 @@ def quantize_model(model: nn.Module, cfg: ModelConfig, qcfg: QuantizeConfig,
     float_state = {name: t.view().detach().clone() for name, t in model.weight_targets().items()
                    if name not in quantized_weights}
     return QuantizedModel(quantized=quantized, float_state=float_state, group_size=group, alphas=alphas)
+
+
+def _progress(i: int, total: int, what: str) -> None:
+    step = max(1, total // 10)
+    if i % step == 0:
+        logger.info("%s: projection %d of %d", what, i + 1, total)
 
 
 def slice_rows(q: IntQuant, rows: slice) -> IntQuant:
