@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from rooflm.quantization.awq import activation_scales, awq_quantize, search_scales
+from rooflm.quantization.awq import activation_scales, awq_quantize, clip_groups, search_clip, search_scales
 from rooflm.quantization.gptq import HessianAccumulator, gptq_quantize
 from rooflm.quantization.zeropoint import fake_quantize, group_params, quantize_int
 
@@ -121,4 +121,29 @@ def test_scales_are_float16_exact_and_the_grid_holds_zero():
     pos = w.abs()
     s1, z1 = group_params(pos, 4, min_zero=1)
     assert (z1 >= 1).all()
-    assert (fake_quantize(pos.reshape(4, 96), 4, 32, min_zero=1) - pos.reshape(4, 96)).abs().max() <= s1.max() / 2 + 1e-6
+    err = (fake_quantize(pos.reshape(4, 96), 4, 32, min_zero=1) - pos.reshape(4, 96)).abs().max()
+    assert err <= s1.max() / 2 + 1e-6
+
+
+def test_awq_clip_search_trims_outlier_weights_and_never_hurts_a_group():
+    k, n, g = 128, 32, 32
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(n, k, generator=gen)
+    w[torch.arange(n), torch.randint(0, k, (n,), generator=gen)] *= 8  # one large weight per row
+    x = torch.randn(512, k, generator=gen)
+    bounds = search_clip(w, x, 4, g)
+    org = w.abs().reshape(n, k // g, g).amax(-1)
+    assert bounds.shape == org.shape and (bounds <= org).all() and (bounds >= 0.5 * org).all()
+    assert (bounds < org).any()
+
+    def group_errors(w_hat):  # each group's share of the output error, as the search measures it
+        d = (w_hat - w).reshape(n, k // g, g)
+        return torch.einsum("mgk,ngk->mng", x.reshape(-1, k // g, g), d).pow(2).mean(0)
+
+    clipped = quantize_int(clip_groups(w, bounds, g), 4, g).dequantize()
+    plain = quantize_int(w, 4, g).dequantize()
+    assert (group_errors(clipped) <= group_errors(plain) * (1 + 1e-5)).all()
+    x_test = torch.randn(512, k, generator=gen)
+    ones = torch.ones(k)
+    with_clip = awq_quantize(w, ones, 4, g, x=x).dequantize()
+    assert _output_error(x_test, w, with_clip) < _output_error(x_test, w, plain)

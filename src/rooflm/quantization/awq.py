@@ -9,7 +9,10 @@ the operation that produces the input (an RMSNorm weight, or the rows of the pro
 
 and alpha is chosen to minimise the layer-output error ``||x W^T - (x / s) Q(W diag(s))^T||^2`` on calibration
 inputs. alpha = 0 is plain round-to-nearest, so the search never does worse than RTN on the calibration inputs.
-The paper's second step, a per-group search of a clipping range, is not done here.
+
+The second step (``search_clip``) shrinks each group's range: weights are clamped to [-m, m] with m a fraction
+(1, 0.95, ..., 0.55) of the group's max |w|, chosen per group to minimise that group's share of the output error.
+Clipping a few large weights buys a finer grid for the rest.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from rooflm.quantization.formats import IntQuant
-from rooflm.quantization.zeropoint import fake_quantize, quantize_int
+from rooflm.quantization.zeropoint import fake_quantize, group_params, quantize_codes, quantize_int
 
 N_GRID = 20
 
@@ -65,6 +68,49 @@ def search_scales(w: torch.Tensor, x: torch.Tensor, x_absmean: torch.Tensor | No
     return AWQSearch(scales=s, alpha=alpha, loss=loss, rtn_loss=rtn_loss)
 
 
-def awq_quantize(w: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, min_zero: int = 0) -> IntQuant:
-    """Quantize ``w diag(scales)`` (the layer whose input is divided by ``scales``)."""
-    return quantize_int(w.float() * scales.float(), bits, group_size, min_zero)
+@torch.no_grad()
+def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int, n_grid: int = 20,
+                max_shrink: float = 0.5, min_zero: int = 0, rows_per_chunk: int = 256) -> torch.Tensor:
+    """Per-group clipping bounds [N, K // group_size] for float w [N, K] (already scaled) on inputs x [M, K] (already
+    divided by the scales): for each group the bound among ``max|w| * (1 - i / n_grid)``, i < n_grid * max_shrink,
+    that minimises ``mean_m (x_g . (Q(clamp(w_g)) - w_g))^2``. i = 0 (no clipping) is a candidate."""
+    n, k = w.shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x has shape {tuple(x.shape)}, expected [M, {k}]")
+    groups = k // group_size
+    xg = x.float().reshape(-1, groups, group_size)
+    out = torch.empty(n, groups)
+    for r0 in range(0, n, rows_per_chunk):  # bounds the [M, rows, groups] products
+        wg = w[r0:r0 + rows_per_chunk].float().reshape(-1, groups, group_size)
+        org = wg.abs().amax(-1)
+        ref = torch.einsum("mgk,ngk->mng", xg, wg)
+        best_err = torch.full_like(org, float("inf"))
+        best = org.clone()
+        for i in range(max(1, int(n_grid * max_shrink))):
+            bound = org * (1 - i / n_grid)
+            cur = torch.maximum(torch.minimum(wg, bound.unsqueeze(-1)), -bound.unsqueeze(-1))
+            s, z = group_params(cur, bits, min_zero)
+            deq = (quantize_codes(cur, s, z, bits) - z.unsqueeze(-1)) * s.unsqueeze(-1)
+            err = (torch.einsum("mgk,ngk->mng", xg, deq) - ref).pow(2).mean(0)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best = torch.where(better, bound, best)
+        out[r0:r0 + rows_per_chunk] = best
+    return out
+
+
+def clip_groups(w: torch.Tensor, bounds: torch.Tensor, group_size: int) -> torch.Tensor:
+    """w [N, K] clamped group-wise to [-bounds, bounds] (bounds [N, K // group_size])."""
+    b = bounds.repeat_interleave(group_size, dim=1)
+    return torch.maximum(torch.minimum(w.float(), b), -b)
+
+
+def awq_quantize(w: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, min_zero: int = 0,
+                 x: torch.Tensor | None = None) -> IntQuant:
+    """Quantize ``w diag(scales)`` (the layer whose input is divided by ``scales``); with calibration inputs ``x``
+    [M, K] (undivided), each group's range is clipped first (``search_clip``)."""
+    ws = w.float() * scales.float()
+    if x is not None:
+        ws = clip_groups(ws, search_clip(ws, x.float() / scales.float(), bits, group_size, min_zero=min_zero),
+                         group_size)
+    return quantize_int(ws, bits, group_size, min_zero)

@@ -76,10 +76,11 @@ def _quantize(args: argparse.Namespace) -> int:
     import torch
 
     from rooflm.loader import load_model, resolve_model
-    from rooflm.quantization.calibration import calibration_windows, read_calibration_text, tokenize_calibration
+    from rooflm.quantization.calibration import (
+        calibration_windows, decoder_linears, read_calibration_text, tokenize_calibration,
+    )
     from rooflm.quantization.checkpoint import save_quantized_checkpoint
     from rooflm.quantization.pipeline import QuantizeConfig, quantize_model, resolve_group_size
-    from rooflm.quantization.calibration import decoder_linears
     from rooflm.tokenizer import load_tokenizer
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -198,7 +198,8 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     k, n = qweight.shape[0] * per, qweight.shape[1]
     group_size = k if group_size == -1 else group_size
     if group_size <= 0 or k % group_size:
-        raise ValueError(f"group_size={group_size} does not divide in_features={k} (from qweight {tuple(qweight.shape)})")
+        raise ValueError(f"group_size={group_size} does not divide in_features={k} (from qweight "
+                         f"{tuple(qweight.shape)})")
     groups = k // group_size
     if tuple(scales.shape) != (groups, n):
         raise ValueError(f"scales has shape {tuple(scales.shape)}, expected {(groups, n)} for qweight "
@@ -250,7 +251,8 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, 
     k, n = qweight.shape[0], qweight.shape[1] * 8
     group_size = k if group_size == -1 else group_size
     if group_size <= 0 or k % group_size:
-        raise ValueError(f"group_size={group_size} does not divide in_features={k} (from qweight {tuple(qweight.shape)})")
+        raise ValueError(f"group_size={group_size} does not divide in_features={k} (from qweight "
+                         f"{tuple(qweight.shape)})")
     groups = k // group_size
     if tuple(scales.shape) != (groups, n):
         raise ValueError(f"scales has shape {tuple(scales.shape)}, expected {(groups, n)} for qweight "

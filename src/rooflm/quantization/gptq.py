@@ -57,7 +57,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size:
     if not 0 < percdamp < 1:
         raise ValueError(f"percdamp={percdamp} must lie in (0, 1)")
     W = w.detach().float().clone()
-    H = hessian.detach().float().clone()
+    H = hessian.detach().float().to(W.device).clone()
     dead = torch.diag(H) == 0  # an input feature that was always 0: its weights do not matter
     H[dead, dead] = 1
     W[:, dead] = 0
@@ -65,13 +65,28 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size:
     if desc_act:
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
         W, H = W[:, perm], H[perm][:, perm]
-    H += percdamp * torch.mean(torch.diag(H)) * torch.eye(k)
+    H += percdamp * torch.mean(torch.diag(H)) * torch.eye(k, device=H.device)
     U = _inverse_cholesky_upper(H)
 
+    threads = torch.get_num_threads()
+    if W.device.type == "cpu":
+        # the column loop is thousands of small ops: OpenMP's thread start-up and spinning cost more than they
+        # save, tenfold on a busy machine
+        torch.set_num_threads(1)
+    try:
+        return _column_loop(W, U, perm, bits, group_size, blocksize, min_zero)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _column_loop(W: torch.Tensor, U: torch.Tensor, perm: torch.Tensor | None, bits: int, group_size: int,
+                 blocksize: int, min_zero: int) -> IntQuant:
+    """Algorithm 1 of the paper on W (columns already in processing order) with U = chol(H^-1) upper."""
+    n, k = W.shape
     groups = k // group_size
-    scales = torch.zeros(n, groups)
-    zeros = torch.zeros(n, groups)
-    Q = torch.zeros(n, k)
+    scales = torch.zeros(n, groups, device=W.device)
+    zeros = torch.zeros(n, groups, device=W.device)
+    Q = torch.zeros(n, k, device=W.device)
     for i1 in range(0, k, blocksize):
         i2 = min(i1 + blocksize, k)
         W1 = W[:, i1:i2].clone()
@@ -97,7 +112,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size:
     g_idx = None
     if perm is not None:
         inv = torch.empty_like(perm)
-        inv[perm] = torch.arange(k)
+        inv[perm] = torch.arange(k, device=perm.device)
         Q = Q[:, inv]
         g_idx = inv // group_size  # feature perm[j] was processed j-th: group j // group_size
     return IntQuant(codes=Q.to(torch.int16), scales=scales, zeros=zeros.to(torch.int16), bits=bits,
@@ -117,5 +132,5 @@ def _inverse_cholesky_upper(H: torch.Tensor) -> torch.Tensor:
             if attempt == 3:
                 raise ValueError("the calibration Hessian is not positive definite even with extra dampening; "
                                  "use more or more varied calibration text") from None
-            Hd = Hd + damp * 10 ** attempt * torch.eye(H.shape[0], dtype=Hd.dtype)
+            Hd = Hd + damp * 10 ** attempt * torch.eye(H.shape[0], dtype=Hd.dtype, device=Hd.device)
     raise AssertionError("unreachable")

@@ -10,7 +10,8 @@ AWQ folds 1/s into the operation before each projection (Lin et al. 2024): the R
 gate_up_proj; the ``up`` rows of gate_up_proj before down_proj (act(gate) * up / s is exact); the ``v`` rows of
 qkv_proj before o_proj only when every query head has its own value head (with grouped-query attention one v row
 feeds several heads' o_proj columns, so o_proj keeps s = 1, i.e. plain round-to-nearest). Projections with nothing
-to fold into (MoE experts are not Linear layers and stay in float) are not scaled.
+to fold into (MoE experts are not Linear layers and stay in float) are not scaled. The clipping search then runs
+on every projection but qkv_proj (AWQ leaves q and k unclipped).
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class QuantizeConfig:
     seq_len: int = 256  # tokens per window
     min_zero: int = 0  # 1 for GPTQ's classic checkpoint format (it stores z - 1)
     awq_rows: int = 1024  # input rows per projection kept for AWQ's loss
+    awq_clip: bool = True  # AWQ's per-group clipping search
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -173,7 +175,9 @@ def quantize_model(model: nn.Module, cfg: ModelConfig, qcfg: QuantizeConfig,
         for name, m in linears.items():
             g = m.in_features if group == -1 else group
             s = scales.get(name, torch.ones(m.in_features))
-            fused[name] = awq_quantize(m.weight.data, s, qcfg.bits, g, qcfg.min_zero)
+            # AWQ does not clip q/k (their error is amplified by the attention softmax): no clipping for qkv_proj
+            x = stats[name].samples() if qcfg.awq_clip and not name.endswith("qkv_proj") else None
+            fused[name] = awq_quantize(m.weight.data, s, qcfg.bits, g, qcfg.min_zero, x)
             m.weight.data.mul_(s.to(m.weight.dtype))  # the float model stays equivalent to the quantized one
     else:
         for i, (name, m) in enumerate(linears.items()):
