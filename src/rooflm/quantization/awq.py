@@ -70,7 +70,7 @@ def search_scales(w: torch.Tensor, x: torch.Tensor, x_absmean: torch.Tensor | No
 
 @torch.no_grad()
 def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int, n_grid: int = 20,
-                max_shrink: float = 0.5, min_zero: int = 0, rows_per_chunk: int = 256) -> torch.Tensor:
+                max_shrink: float = 0.5, min_zero: int = 0, rows_per_chunk: int = 1024) -> torch.Tensor:
     """Per-group clipping bounds [N, K // group_size] for float w [N, K] (already scaled) on inputs x [M, K] (already
     divided by the scales): for each group the bound among ``max|w| * (1 - i / n_grid)``, i < n_grid * max_shrink,
     that minimises ``mean_m (x_g . (Q(clamp(w_g)) - w_g))^2``. i = 0 (no clipping) is a candidate."""
@@ -79,19 +79,20 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int, n_
         raise ValueError(f"x has shape {tuple(x.shape)}, expected [M, {k}]")
     groups = k // group_size
     xg = x.float().reshape(-1, groups, group_size)
+    # mean_m (x_g . d)^2 = d^T C_g d with C_g the group's input second moment: the cost no longer grows with M
+    cov = torch.einsum("mgk,mgl->gkl", xg, xg) / max(1, xg.shape[0])
     out = torch.empty(n, groups)
-    for r0 in range(0, n, rows_per_chunk):  # bounds the [M, rows, groups] products
+    for r0 in range(0, n, rows_per_chunk):
         wg = w[r0:r0 + rows_per_chunk].float().reshape(-1, groups, group_size)
         org = wg.abs().amax(-1)
-        ref = torch.einsum("mgk,ngk->mng", xg, wg)
         best_err = torch.full_like(org, float("inf"))
         best = org.clone()
         for i in range(max(1, int(n_grid * max_shrink))):
             bound = org * (1 - i / n_grid)
             cur = torch.maximum(torch.minimum(wg, bound.unsqueeze(-1)), -bound.unsqueeze(-1))
             s, z = group_params(cur, bits, min_zero)
-            deq = (quantize_codes(cur, s, z, bits) - z.unsqueeze(-1)) * s.unsqueeze(-1)
-            err = (torch.einsum("mgk,ngk->mng", xg, deq) - ref).pow(2).mean(0)
+            d = (quantize_codes(cur, s, z, bits) - z.unsqueeze(-1)) * s.unsqueeze(-1) - wg
+            err = (torch.einsum("ngk,gkl->ngl", d, cov) * d).sum(-1)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best = torch.where(better, bound, best)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -154,9 +155,11 @@ def quantize_model(model: nn.Module, cfg: ModelConfig, qcfg: QuantizeConfig,
         if not windows:
             raise ValueError(f"method={qcfg.method!r} needs calibration windows")
         rows = max(1, qcfg.awq_rows // len(windows)) if qcfg.method == "awq" else 0
+        start = time.perf_counter()
         stats = collect_stats(model, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, windows,
                               hessian=qcfg.method == "gptq", rows_per_window=rows, seed=qcfg.seed)
-        logger.info("calibrated on %d windows of %d tokens", len(windows), len(windows[0]))
+        logger.info("calibrated on %d windows of %d tokens in %.1f s", len(windows), len(windows[0]),
+                    time.perf_counter() - start)
 
     fused: dict[str, IntQuant] = {}
     alphas: dict[str, float] = {}
