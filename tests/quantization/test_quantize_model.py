@@ -126,6 +126,8 @@ def test_cli_writes_what_the_algorithm_produced(tmp_path, method, extra):
     (["--method", "awq", "--bits", "8"], "--bits"),
     (["--method", "awq", "--desc-act"], "--desc-act"),
     (["--seq-len", "100000"], "--seq-len"),
+    (["--method", "gptq", "--calib", "no-such-file.txt"], "--calib"),
+    (["--method", "rtn", "--calib", __file__], "--calib"),
 ])
 def test_cli_bad_flags_name_the_flag(tmp_path, capsys, argv, flag):
     path = _config(tmp_path)
@@ -184,3 +186,10 @@ def test_cli_reads_a_hf_folder_and_copies_its_tokenizer_files(tmp_path):
     assert pw.group_size == TINY["intermediate_size"] and pw.scales.shape == (TINY["hidden_size"], 1)
     ref = quantize_int(model.model.layers[0].mlp.down_proj.weight, 4, TINY["intermediate_size"], min_zero=1)
     assert torch.equal(pw.qweight, ref.to_packed(torch.float32).qweight)
+
+
+def test_cli_refuses_an_already_quantized_folder(tmp_path, capsys):
+    out = tmp_path / "q"
+    assert main(["quantize", _config(tmp_path), "--method", "rtn", "--out", str(out)]) == 0
+    assert main(["quantize", str(out), "--method", "rtn", "--out", str(tmp_path / "again")]) == 2
+    assert "already quantized" in capsys.readouterr().err

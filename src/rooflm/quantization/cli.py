@@ -3,6 +3,8 @@ GPTQ or AWQ checkpoint folder. Standard-library imports only at the top (``roofl
 from __future__ import annotations
 
 import argparse
+import json
+import os
 
 
 def _positive(flag: str):
@@ -64,12 +66,20 @@ def check_args(args: argparse.Namespace) -> str:
         raise ValueError("--desc-act: the AWQ format has no g_idx (use --format gptq)")
     if args.calib is not None and args.method == "rtn":
         raise ValueError(f"--calib {args.calib}: --method rtn uses no calibration data")
+    if args.calib is not None and not os.path.isfile(args.calib):
+        raise FileNotFoundError(f"--calib {args.calib}: no such file")
+    config = os.path.join(args.model, "config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
+            quant = json.load(f).get("quantization_config")
+        if quant:
+            raise ValueError(f"MODEL {args.model} is already quantized (quantization_config.quant_method="
+                             f"{quant.get('quant_method')!r}): quantize a float checkpoint")
     return fmt
 
 
 def _quantize(args: argparse.Namespace) -> int:
     import logging
-    import os
     import sys
     import time
 
