@@ -193,3 +193,11 @@ def test_cli_refuses_an_already_quantized_folder(tmp_path, capsys):
     assert main(["quantize", _config(tmp_path), "--method", "rtn", "--out", str(out)]) == 0
     assert main(["quantize", str(out), "--method", "rtn", "--out", str(tmp_path / "again")]) == 2
     assert "already quantized" in capsys.readouterr().err
+
+
+def test_mixture_of_experts_is_refused(tmp_path):
+    path = _config(tmp_path, architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
+                   num_experts_per_tok=2)
+    model, cfg = _load(path)
+    with pytest.raises(ValueError, match="num_local_experts=4"):
+        quantize_model(model, cfg, QuantizeConfig(method="rtn", group_size=32))

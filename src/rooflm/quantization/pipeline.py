@@ -4,13 +4,13 @@ written as a GPTQ or AWQ checkpoint (``rooflm.quantization.checkpoint``).
 rooflm fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``. The algorithms run on the fused projections
 (quantization groups run along the input dimension and GPTQ treats output rows independently, so a fused matrix
 quantizes exactly as its parts would) and the result is split back into the Hugging Face modules by the row ranges
-the model's ``weight_targets`` name.
+the model's ``weight_targets`` name. Dense models only: mixture-of-experts models are refused.
 
 AWQ folds 1/s into the operation before each projection (Lin et al. 2024): the RMSNorm weight before qkv_proj and
 gate_up_proj; the ``up`` rows of gate_up_proj before down_proj (act(gate) * up / s is exact); the ``v`` rows of
 qkv_proj before o_proj only when every query head has its own value head (with grouped-query attention one v row
 feeds several heads' o_proj columns, so o_proj keeps s = 1, i.e. plain round-to-nearest). Projections with nothing
-to fold into (MoE experts are not Linear layers and stay in float) are not scaled. The clipping search then runs
+to fold into are not scaled. The clipping search then runs
 on every projection but qkv_proj (AWQ leaves q and k unclipped).
 """
 from __future__ import annotations
@@ -146,6 +146,11 @@ def quantize_model(model: nn.Module, cfg: ModelConfig, qcfg: QuantizeConfig,
                    windows: list[list[int]] | None = None) -> QuantizedModel:
     """Quantize every decoder projection of ``model`` (modified in place by AWQ's folding). ``windows``: the
     calibration token windows (GPTQ and AWQ)."""
+    if cfg.is_moe:
+        # the experts are stacked tensors, not Linear layers: a checkpoint with float experts beside quantized
+        # attention would not load as GPTQ / AWQ elsewhere
+        raise ValueError(f"model {cfg.architecture} is a mixture of experts (num_local_experts="
+                         f"{cfg.num_local_experts}): quantizing its experts is not supported")
     linears = decoder_linears(model)
     if not linears:
         raise ValueError(f"model {cfg.architecture} has no Linear projections to quantize")
