@@ -2,6 +2,7 @@
 Hugging Face module names come out whole, and ``rooflm quantize`` writes a folder that reads back into exactly the
 weights the algorithm produced."""
 import json
+import os
 
 import pytest
 import torch
@@ -201,3 +202,15 @@ def test_mixture_of_experts_is_refused(tmp_path):
     model, cfg = _load(path)
     with pytest.raises(ValueError, match="num_local_experts=4"):
         quantize_model(model, cfg, QuantizeConfig(method="rtn", group_size=32))
+
+
+def test_cli_thread_count_is_restored(tmp_path, capsys):
+    from rooflm.quantization.cli import idle_cores
+
+    assert 1 <= idle_cores() <= (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    before = torch.get_num_threads()
+    other = 2 if before == 1 else 1
+    assert main(["quantize", _config(tmp_path), "--method", "rtn", "--threads", str(other),
+                 "--out", str(tmp_path / "out")]) == 0
+    assert f"{other} threads" in capsys.readouterr().err
+    assert torch.get_num_threads() == before

@@ -50,9 +50,22 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="checkpoint layout (default: awq for --method awq, else gptq)")
     p.add_argument("--checkpoint-format", choices=("gptq", "gptq_v2"), default="gptq",
                    help="GPTQ zero-point convention: gptq stores z - 1 (what every loader reads), gptq_v2 stores z")
+    p.add_argument("--threads", type=_positive("--threads"), default=None,
+                   help="CPU threads (default: the cores the 1-minute load average leaves idle, at least 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, metavar="DIR")
     p.set_defaults(func=_quantize)
+
+
+def idle_cores() -> int:
+    """Cores not busy with other processes, by the 1-minute load average (at least 1). OpenMP threads that share
+    a core with another process wait for each other at every op: on a busy machine, fewer threads run faster."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return cores
+    return max(1, min(cores, int(cores - load + 0.5)))
 
 
 def check_args(args: argparse.Namespace) -> str:
@@ -80,6 +93,20 @@ def check_args(args: argparse.Namespace) -> str:
 
 def _quantize(args: argparse.Namespace) -> int:
     import logging
+
+    import torch
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    fmt = check_args(args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or idle_cores())
+    try:
+        return _run(args, fmt)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace, fmt: str) -> int:
     import sys
     import time
 
@@ -93,8 +120,6 @@ def _quantize(args: argparse.Namespace) -> int:
     from rooflm.quantization.pipeline import QuantizeConfig, quantize_model, resolve_group_size
     from rooflm.tokenizer import load_tokenizer
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    fmt = check_args(args)
     start = time.perf_counter()
     path, source = resolve_model(args.model)
     model, cfg = load_model(args.model, dtype=torch.float32, device="cpu", attn_backend="torch", ops="native",
@@ -126,5 +151,6 @@ def _quantize(args: argparse.Namespace) -> int:
     done = time.perf_counter()
     print(f"rooflm quantize: {len(result.quantized)} projections, {args.method} {args.bits}-bit, group size "
           f"{result.group_size}, {fmt} format -> {os.path.dirname(out) or '.'} (load {loaded - start:.1f} s, "
-          f"quantize {quantized - loaded:.1f} s, write {done - quantized:.1f} s)", file=sys.stderr)
+          f"quantize {quantized - loaded:.1f} s, write {done - quantized:.1f} s, {torch.get_num_threads()} threads)",
+          file=sys.stderr)
     return 0
