@@ -13,6 +13,7 @@ _COMMAND_MODULES = (
     "rooflm.roofline.cli",  # analyze
     "rooflm.server.cli",  # serve
     "rooflm.bench.cli",  # bench latency | throughput | serve
+    "rooflm.quantization.cli",  # quantize
 )
 
 
