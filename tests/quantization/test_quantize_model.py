@@ -215,3 +215,28 @@ def test_cli_thread_count_is_restored(tmp_path, capsys):
                  "--out", str(tmp_path / "out")]) == 0
     assert f"{other} threads" in capsys.readouterr().err
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("method,extra", [("gptq", ["--desc-act"]), ("awq", []), ("rtn", ["--bits", "8"])])
+def test_written_checkpoint_loads_packed_and_computes_its_dequantized_weights(tmp_path, method, extra):
+    """``load_model`` on a folder ``rooflm quantize`` wrote keeps the projections packed (fused q/k/v and gate/up
+    shards included) and computes what the same weights dequantized into a float model compute."""
+    path = _config(tmp_path)
+    out = tmp_path / "out"
+    argv = ["quantize", path, "--method", method, "--group-size", "32", "--num-samples", "2", "--seq-len", "32",
+            "--out", str(out), *extra]
+    assert main(argv if "--bits" in extra else argv + ["--bits", "4"]) == 0
+    packed, cfg = load_model(str(out), dtype=torch.float32, attn_backend="torch", ops="native", show_progress=False)
+    layer = packed.model.layers[0]
+    assert layer.self_attn.qkv_proj.quantized and layer.mlp.gate_up_proj.quantized
+    assert (layer.self_attn.qkv_proj.packed_weight.perm is not None) == ("--desc-act" in extra)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    weights = [(name, dequantize(v) if isinstance(v, PackedWeight) else v.float())
+               for name, v in iter_quantized_safetensors([str(out / "model.safetensors")], qc, torch.float32)]
+    restored, _ = _load(path)
+    restored.load_weights(weights)
+    ids = list(range(5, 45))
+    torch.testing.assert_close(_logits(packed, cfg, ids), _logits(restored, cfg, ids), rtol=1e-4, atol=1e-4)
+    wrong = "awq" if method != "awq" else "gptq"
+    with pytest.raises(ValueError, match="quantization"):
+        load_model(str(out), quantization=wrong, show_progress=False)
