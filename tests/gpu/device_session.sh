@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: run from the repository root as
-#   bash tests/gpu/device_session.sh STAGE...      (stages: info tests kbench latency1 latency32 prefill throughput)
+#   bash tests/gpu/device_session.sh STAGE...      (stages: info tests kbench latency1 latency32 prefill throughput
+#                                                   qlat fp8pre qtests)
 # JSON and profiles go to $OUT (or ./out), every stage's log is appended to $OUT/all.log (the device tool returns at
 # most 8 files). Every stage has its own time limit, so one failure does not sink the call.
 set -u
@@ -39,6 +40,16 @@ for stage in "$@"; do
     throughput) run throughput 420 $PY -m rooflm.cli bench throughput --model llama-2-7b --load-format dummy \
                   --num-prompts 256 --max-num-seqs 128 --input-len 512 --output-len 128 --dtype float16 \
                   --json "$OUT/throughput.json" ;;
+    qlat) for q in none w8a16 w4a16; do
+            run "qlat_$q" 150 $PY -m rooflm.cli bench latency --model llama-2-7b --load-format dummy --batch-size 1 \
+              --input-len 1024 --output-len 128 --dtype float16 --num-iters 2 --quantization $q --json "$OUT/qlat_$q.json"
+          done ;;
+    fp8pre) for q in none fp8; do
+              run "fp8pre_$q" 120 $PY -m rooflm.cli bench latency --model llama-2-7b --load-format dummy --batch-size 1 \
+                --input-len 2048 --output-len 2 --dtype float16 --num-iters 5 --quantization $q --json "$OUT/fp8pre_$q.json"
+            done ;;
+    qtests) TAIL=15 run qtests 200 $PY -m pytest tests/gpu/test_gpu_quant_gemm.py tests/gpu/test_gpu_kv_quant.py \
+              tests/gpu/test_gpu_quant_fp8.py -q -rs -p no:cacheprovider ;;
     *) echo "unknown stage $stage";;
   esac
 done
