@@ -240,3 +240,12 @@ def test_written_checkpoint_loads_packed_and_computes_its_dequantized_weights(tm
     wrong = "awq" if method != "awq" else "gptq"
     with pytest.raises(ValueError, match="quantization"):
         load_model(str(out), quantization=wrong, show_progress=False)
+
+
+def test_cli_quantizes_the_default_gguf_from_its_dequantized_weights(tmp_path, default_model_path):
+    """A GGUF file loads packed by default; ``rooflm quantize`` must start from its dequantized float weights."""
+    out = tmp_path / "out"
+    assert main(["quantize", default_model_path, "--method", "rtn", "--bits", "8", "--out", str(out)]) == 0
+    packed, cfg = load_model(str(out), show_progress=False)
+    assert packed.model.layers[0].mlp.gate_up_proj.packed_weight.bits == 8
+    assert cfg.num_hidden_layers == 30

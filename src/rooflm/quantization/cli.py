@@ -122,8 +122,9 @@ def _run(args: argparse.Namespace, fmt: str) -> int:
 
     start = time.perf_counter()
     path, source = resolve_model(args.model)
+    # a GGUF file is dequantized to float first (loading it keeps its blocks packed by default)
     model, cfg = load_model(args.model, dtype=torch.float32, device="cpu", attn_backend="torch", ops="native",
-                            seed=args.seed, show_progress=False)
+                            seed=args.seed, show_progress=False, quantization="none" if source == "gguf" else None)
     try:
         resolve_group_size(args.group_size, {n: m.in_features for n, m in decoder_linears(model).items()})
     except ValueError as e:
