@@ -186,6 +186,21 @@ def to_gptq(q: IntQuant, checkpoint_format: str = "gptq") -> dict[str, torch.Ten
     }
 
 
+def _check_groups(qweight: torch.Tensor, scales: torch.Tensor, k: int, n: int, group_size: int,
+                  what: str) -> tuple[int, int]:
+    """(group_size, number of groups) of a [k, n] checkpoint weight after checking ``group_size`` (-1: k) and the
+    ``scales`` shape; ValueError naming the field."""
+    group_size = k if group_size == -1 else group_size
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"group_size={group_size} does not divide in_features={k} (from qweight "
+                         f"{tuple(qweight.shape)})")
+    groups = k // group_size
+    if tuple(scales.shape) != (groups, n):
+        raise ValueError(f"scales has shape {tuple(scales.shape)}, expected {(groups, n)} for qweight "
+                         f"{tuple(qweight.shape)} with {what}group_size={group_size}")
+    return group_size, groups
+
+
 def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
               bits: int, group_size: int, checkpoint_format: str = "gptq") -> IntQuant:
     """Unpack GPTQ tensors (shapes checked; ValueError naming the tensor). ``group_size`` -1 means in_features."""
@@ -196,14 +211,7 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     if qweight.dim() != 2 or scales.dim() != 2:
         raise ValueError(f"qweight and scales must be 2-D, got {tuple(qweight.shape)} and {tuple(scales.shape)}")
     k, n = qweight.shape[0] * per, qweight.shape[1]
-    group_size = k if group_size == -1 else group_size
-    if group_size <= 0 or k % group_size:
-        raise ValueError(f"group_size={group_size} does not divide in_features={k} (from qweight "
-                         f"{tuple(qweight.shape)})")
-    groups = k // group_size
-    if tuple(scales.shape) != (groups, n):
-        raise ValueError(f"scales has shape {tuple(scales.shape)}, expected {(groups, n)} for qweight "
-                         f"{tuple(qweight.shape)} with bits={bits}, group_size={group_size}")
+    group_size, groups = _check_groups(qweight, scales, k, n, group_size, f"bits={bits}, ")
     if n % per or tuple(qzeros.shape) != (groups, n // per):
         raise ValueError(f"qzeros has shape {tuple(qzeros.shape)}, expected {(groups, n // per)}")
     if g_idx is not None and tuple(g_idx.shape) != (k,):
@@ -249,14 +257,7 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, 
     if qweight.dim() != 2 or scales.dim() != 2:
         raise ValueError(f"qweight and scales must be 2-D, got {tuple(qweight.shape)} and {tuple(scales.shape)}")
     k, n = qweight.shape[0], qweight.shape[1] * 8
-    group_size = k if group_size == -1 else group_size
-    if group_size <= 0 or k % group_size:
-        raise ValueError(f"group_size={group_size} does not divide in_features={k} (from qweight "
-                         f"{tuple(qweight.shape)})")
-    groups = k // group_size
-    if tuple(scales.shape) != (groups, n):
-        raise ValueError(f"scales has shape {tuple(scales.shape)}, expected {(groups, n)} for qweight "
-                         f"{tuple(qweight.shape)} with group_size={group_size}")
+    group_size, groups = _check_groups(qweight, scales, k, n, group_size, "")
     if tuple(qzeros.shape) != (groups, n // 8):
         raise ValueError(f"qzeros has shape {tuple(qzeros.shape)}, expected {(groups, n // 8)}")
     codes = unpack_words(qweight, 4, dim=1, order=AWQ_ORDER).t()
