@@ -1,5 +1,6 @@
-"""Seed 004 (LLM-Viewer) Table 1: LLaMA-2-7b on an NVIDIA A6000 (768 GB/s, 154.8 TFLOP/s fp16), sequence 2048,
-batch 1, fp16, no flash attention; the decode row is one step attending to 2048 tokens.
+"""LLM-Viewer (Yuan et al. 2024, "LLM Inference Unveiled") Table 1: LLaMA-2-7b on an NVIDIA A6000 (768 GB/s,
+154.8 TFLOP/s fp16), sequence 2048, batch 1, fp16, no flash attention; the decode row is one step attending to
+2048 tokens.
 
 Tolerance: Table 1 prints 1-4 significant digits; each of our values must round to the printed figure at the printed
 number of significant digits (``printed_matches``), e.g. 68.72G -> "69G", 8.39M -> "8M", 0.9918 -> "0.99"."""

@@ -110,7 +110,7 @@ def plot_sweep(results: Sequence[AnalysisResult], path: str, x: str = "batch") -
 
 
 def figure7_results(r: AnalysisResult, model: "str | ModelConfig | None" = None) -> list[AnalysisResult]:
-    """Seed 004's Figure 7 sweep for ``r``'s model, device and prompt length: batches 1..64 x W16/W8/W4."""
+    """The Figure 7 sweep of LLM-Viewer (Yuan et al. 2024) for ``r``'s model, device and prompt length: batches 1..64 x W16/W8/W4."""
     from rooflm.roofline.analyzer import sweep
 
     s = r.settings

@@ -87,8 +87,8 @@ def compute_key(x: Format, y: Format, available: dict[str, float]) -> str:
 
 
 def elementwise_key(act: Format, available: dict[str, float]) -> str:
-    """Peak of element-wise operators (norms, softmax, activations, adds). Seed 004 uses one peak for every operator
-    (Table 1: 155T on an A6000 for softmax too); element-wise operators are memory-bound on every device listed, so
+    """Peak of element-wise operators (norms, softmax, activations, adds). LLM-Viewer (Yuan et al. 2024) uses one
+    peak for every operator (Table 1: 155T on an A6000 for softmax too); element-wise operators are memory-bound on every device listed, so
     the choice does not change their time."""
     return compute_key(act, act, available) if act.key in ("fp32", "fp16", "bf16") else compute_key(
         parse_bits("a_bits", "16"), parse_bits("a_bits", "16"), available)
