@@ -126,3 +126,20 @@ def test_version(capsys):
         main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"rooflm {importlib.metadata.version('rooflm')}"
+
+
+def test_boolean_options_take_a_value_or_a_negation():
+    import argparse
+
+    from rooflm.entrypoints.args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    base = ["--threads", "1"]
+    assert engine_config_from_args(parser.parse_args(base)).enable_prefix_caching is True
+    assert engine_config_from_args(parser.parse_args(base + ["--no-enable-prefix-caching"])).enable_prefix_caching \
+        is False
+    assert engine_config_from_args(parser.parse_args(base + ["--enable-prefix-caching", "off"])).enable_prefix_caching \
+        is False
+    assert engine_config_from_args(parser.parse_args(base + ["--enforce-eager"])).enforce_eager is True
+    assert "--no-enforce-eager" in parser.format_help()

@@ -57,6 +57,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
         help_text = _HELP.get(f.name, "") + f" (default: {default})"
         if base is bool:
             parser.add_argument(flag, type=_bool, nargs="?", const=True, default=default, help=help_text)
+            # vLLM's negation: --no-enable-prefix-caching is --enable-prefix-caching false
+            parser.add_argument("--no-" + flag[2:], dest=f.name, action="store_const", const=False,
+                                help=f"same as {flag} false")
         else:
             parser.add_argument(flag, type=kind, default=default, help=help_text)
 
