@@ -65,6 +65,7 @@ import triton
 import triton.language as tl
 
 from rooflm.kernels._utils import device_sms, interpreting
+from rooflm.kernels.gemv import _splitk_reduce_kernel  # the fixed-order split-K sum, shared
 from rooflm.quantization.packed import PackedWeight
 
 
@@ -224,20 +225,6 @@ def _quant_mm_kernel(
         tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
-def _splitk_sum_kernel(ws_ptr, b_ptr, out_ptr, M, N, stride_om,
-                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    m = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in tl.static_range(SPLIT):  # a fixed order: the same sum on every run
-        acc += tl.load(ws_ptr + (s * M + m) * N + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Host side
 # ---------------------------------------------------------------------------------------------------------------------
@@ -334,7 +321,7 @@ def launch(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, cfg: Qu
     )
     if split > 1:
         block = 1024
-        _splitk_sum_kernel[(M, triton.cdiv(N, block))](dst, b, out, M, N, out.stride(0), SPLIT=split,
+        _splitk_reduce_kernel[(M, triton.cdiv(N, block))](dst, b, out, M, N, out.stride(0), SPLIT=split,
                                                        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
     return out
 

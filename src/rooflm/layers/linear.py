@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rooflm.kernels.cpu_quant import prepare_cpu, quant_linear_cpu  # plain torch: no triton import
 from rooflm.layers.custom_op import CPU, TRITON, CustomOp
 from rooflm.quantization.fp8 import (Fp8Weight, check_fp8_device, fp8_linear_reference, fp8_linear_scaled_mm,
                                      fp8_supported, scaled_mm_shape_ok)
@@ -67,8 +68,6 @@ def _packed_native(layer: "QuantizableMixin", x: torch.Tensor) -> torch.Tensor:
 
 
 def _packed_cpu(layer: "QuantizableMixin", x: torch.Tensor) -> torch.Tensor:
-    from rooflm.kernels.cpu_quant import quant_linear_cpu
-
     return quant_linear_cpu(x, layer._cpu_weight, layer.bias)
 
 
@@ -201,8 +200,6 @@ class QuantizableMixin:
             if impl == TRITON:
                 return _packed_cuda
             if impl == CPU and self._packed.qweight.device.type == "cpu":
-                from rooflm.kernels.cpu_quant import prepare_cpu
-
                 self._cpu_weight = prepare_cpu(self._packed)  # torch's CPU kernel layout, made once
                 return _packed_cpu
             return _packed_native
