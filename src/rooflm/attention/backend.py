@@ -81,19 +81,22 @@ class AttentionBackend(Protocol):
         ...
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor,
+                   all_valid: bool | None = None) -> None:
     """Scatter new keys/values into the paged cache (quantizing them for a ``QuantizedKVCache``).
-    k, v: [num_tokens, num_kv_heads, head_dim]."""
+    k, v: [num_tokens, num_kv_heads, head_dim]. Slots < 0 (padding) are skipped; ``all_valid``: the caller already
+    knows whether any is (it reads the slots back from the device otherwise)."""
     if isinstance(kv_cache, QuantizedKVCache):
         write_quantized(k, v, kv_cache, slot_mapping)
         return
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
-    valid = slot_mapping >= 0
-    if bool(valid.all()):
-        flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-        flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    if all_valid is None:
+        all_valid = bool((slot_mapping >= 0).all())
+    if all_valid:  # keys and values in one scatter
+        flat.index_copy_(1, slot_mapping, torch.stack((k, v)).to(kv_cache.dtype))
     else:
+        valid = slot_mapping >= 0
         idx = slot_mapping[valid]
         flat[0].index_copy_(0, idx, k[valid].to(kv_cache.dtype))
         flat[1].index_copy_(0, idx, v[valid].to(kv_cache.dtype))

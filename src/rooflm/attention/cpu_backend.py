@@ -35,13 +35,20 @@ def _gather(kv_cache, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class CpuAttention:
-    """The CPU backend (see ``AttentionBackend``). Runs on any device, but is tuned for, and chosen on, the CPU."""
+    """The CPU backend (see ``AttentionBackend``). Runs on any device, but is tuned for, and chosen on, the CPU.
+
+    A model shares one instance among its layers (``Attention.choose``), so what depends only on the step (the
+    rotary tables, the block indices of a single decoding sequence, whether every slot is valid) is computed by the
+    first layer and reused by the others: about a dozen small ops per layer that a CPU pays in dispatch time."""
 
     name = "cpu"
 
     def __init__(self) -> None:
         self._rope_for: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._meta: AttentionMetadata | None = None
+        self._slots_valid = True
+        self._decode_blocks: torch.Tensor | None = None
 
     def _rope_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, head_dim] tables ``[cos, cos]`` and ``[-sin, sin]``, made once per step: every layer of a forward
@@ -53,20 +60,38 @@ class CpuAttention:
             self._rope_for = (cos, sin)
         return self._rope
 
+    def _step(self, meta: AttentionMetadata, block_size: int) -> None:
+        """Per-step facts of ``meta``, computed once (the metadata object itself is kept, as for the rotary tables)."""
+        if self._meta is meta:
+            return
+        self._meta = meta
+        self._slots_valid = bool((meta.slot_mapping >= 0).all())
+        self._decode_blocks = None
+        if meta.is_decode_only and meta.num_seqs == 1:
+            seq_len = meta.seq_lens_cpu[0]
+            self._decode_blocks = meta.block_tables[0, : (seq_len + block_size - 1) // block_size].long()
+
     def rotary_and_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, kv_cache: torch.Tensor,
                          meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        self._step(meta, kv_cache.shape[2])
         cos2, sin2 = self._rope_tables(cos, sin)
         half = q.shape[-1] // 2
-        q = torch.addcmul(q * cos2, q.roll(half, dims=-1), sin2)
-        k = torch.addcmul(k * cos2, k.roll(half, dims=-1), sin2)
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        qk = _adjacent_heads(q, k)
+        if qk is not None:  # q and k are neighbouring column ranges of one qkv row: rotate both in one pass
+            qk = torch.addcmul(qk * cos2, qk.roll(half, dims=-1), sin2)
+            q, k = qk[:, : q.shape[1]], qk[:, q.shape[1]:]
+        else:
+            q = torch.addcmul(q * cos2, q.roll(half, dims=-1), sin2)
+            k = torch.addcmul(k * cos2, k.roll(half, dims=-1), sin2)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping, all_valid=self._slots_valid)
         return q, k
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                sliding_window: int | None = None) -> torch.Tensor:
+        self._step(meta, kv_cache.shape[2])
         if meta.is_decode_only and sliding_window is None:
-            return _decode(q, kv_cache, meta, scale)
+            return _decode(q, kv_cache, meta, scale, self._decode_blocks)
         out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
         block_size = kv_cache.shape[2]
@@ -80,14 +105,28 @@ class CpuAttention:
         return out
 
 
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One query per sequence, full attention. q [S, H, D] -> [S, H, D]."""
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """A [T, Hq + Hkv, D] view over q [T, Hq, D] and k [T, Hkv, D] when k's heads directly follow q's in memory (the
+    model splits one qkv projection row into views), else None. Lets the rotary embedding run as one set of ops."""
+    t, hq, d = q.shape
+    if (k.dtype != q.dtype or k.shape[0] != t or k.shape[2] != d or q.stride()[1:] != (d, 1)
+            or k.stride()[1:] != (d, 1) or (t > 1 and k.stride(0) != q.stride(0))
+            or k.data_ptr() != q.data_ptr() + hq * d * q.element_size()):
+        return None
+    return q.as_strided((t, hq + k.shape[1], d), q.stride())
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+            blocks: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence, full attention. q [S, H, D] -> [S, H, D]. ``blocks``: the one sequence's block
+    indices (int64), when the caller has them."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     if num_seqs == 1:
         seq_len = meta.seq_lens_cpu[0]
-        blocks = meta.block_tables[0, : (seq_len + block_size - 1) // block_size].long()
+        if blocks is None:
+            blocks = meta.block_tables[0, : (seq_len + block_size - 1) // block_size].long()
         kv = _gather(kv_cache, blocks, q.dtype).flatten(1, 2)[:, :seq_len].transpose(1, 2)  # [2, Hkv, L, D]
         k, v = kv[0:1], kv[1:2]
         qg = q.view(1, num_kv_heads, group, head_dim)  # query head h uses KV head h // group

@@ -34,7 +34,11 @@ class Attention(CustomOp):
 
     def choose(self, selection: OpSelection) -> None:
         name = selection.attention_impl()
-        self.backend = get_attention_backend(name)
+        # one backend for every layer of a model (backends keep at most per-step tables, shared by all layers)
+        key = ("attention_backend", name)
+        if key not in selection.shared:
+            selection.shared[key] = get_attention_backend(name)
+        self.backend = selection.shared[key]
         self._set_impl({"torch": NATIVE, "cpu": CPU}.get(name, TRITON))
 
     def forward_native(

@@ -32,7 +32,7 @@ import contextlib
 import importlib.util
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -67,6 +67,10 @@ class OpSelection:
     device: torch.device
     ops: str = "auto"
     attention: str = "auto"
+    # Objects the ops built under one selection share (one model: its layers' attention backend, whose per-step
+    # tables are then made once per step instead of once per layer). Not part of equality: a new selection, a new
+    # dict, so two models never share state.
+    shared: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.ops not in OPS_CHOICES:
