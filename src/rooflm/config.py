@@ -255,8 +255,14 @@ class EngineConfig:
     # checkpoint holds: float, GPTQ/AWQ, or a GGUF file kept quantized), "none", "w8a16", "w4a16", "gptq", "awq",
     # "gguf", "fp8".
     quantization: str | None = None
+    # Engine replicas behind one server (``rooflm serve``), each with its own weights and KV cache; on CUDA replica
+    # i runs on cuda:i. See rooflm.engine.data_parallel.
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if (not isinstance(self.data_parallel_size, int) or isinstance(self.data_parallel_size, bool)
+                or self.data_parallel_size < 1):
+            raise _bad("EngineConfig", "data_parallel_size", self.data_parallel_size, "a positive integer")
         if self.load_format not in LOAD_FORMATS:
             raise _bad("EngineConfig", "load_format", self.load_format, f"one of {LOAD_FORMATS}")
         if self.dtype not in ("auto",) + SUPPORTED_DTYPES:

@@ -157,6 +157,11 @@ class AsyncLLMEngine:
         return len(self._streams)
 
     @property
+    def num_unfinished_sequences(self) -> int:
+        """Admitted sequences not finished yet (a request with n samples counts n): the load a router balances."""
+        return self._unfinished_seqs
+
+    @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._dead is None
 

@@ -72,6 +72,10 @@ class LLMEngine:
         from rooflm.tokenizer import load_tokenizer
 
         self.config = config = config or EngineConfig(**kwargs)
+        if config.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={config.data_parallel_size}: one LLMEngine is one replica; replicas "
+                             "run behind the server (rooflm serve --data-parallel-size N, "
+                             "rooflm.engine.data_parallel.DataParallelEngine)")
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)

@@ -19,6 +19,8 @@ _HELP = {
     # rooflm.quantization.config.QUANTIZATION_METHODS, written out so that --help does not import torch
     "quantization": "none | w8a16 | w4a16 | gptq | awq | gguf | fp8: how the projection weights are stored and "
                     "multiplied; unset: what the checkpoint holds (float, GPTQ/AWQ, a GGUF file kept quantized)",
+    "data_parallel_size": "engine replicas behind the server, each with its own weights and KV cache (on CUDA one "
+                          "per device); requests go to the least loaded, or to the one caching their prefix",
 }
 
 

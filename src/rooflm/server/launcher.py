@@ -135,7 +135,13 @@ def run_server(args: argparse.Namespace) -> int:
     check_server_args(args)
     config = engine_config_from_args(args)
     sock = bind_socket(args.host, args.port)  # before loading: a taken port fails fast
-    engine = AsyncLLMEngine.from_config(config, max_waiting=None if args.max_waiting == -1 else args.max_waiting)
+    max_waiting = None if args.max_waiting == -1 else args.max_waiting
+    if config.data_parallel_size > 1:
+        from rooflm.engine.data_parallel import DataParallelEngine
+
+        engine = DataParallelEngine.from_config(config, max_waiting=max_waiting)
+    else:
+        engine = AsyncLLMEngine.from_config(config, max_waiting=max_waiting)
     app = build_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
                     max_body_mb=args.max_request_body_mb, body_timeout_s=args.body_timeout)
     host, port = sock.getsockname()[:2]
