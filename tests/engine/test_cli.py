@@ -26,7 +26,7 @@ def test_chat_streams_answers_until_exit(capsys, monkeypatch):
 def test_bad_option_is_one_clear_line(capsys):
     assert main(["generate", "--block-size", "0", "hello"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "block_size=0" in err and "positive integer" in err
+    assert err.count("\n") == 0 and "--block-size 0: " in err and "positive integer" in err
 
 
 def test_bad_sampling_value_is_one_clear_line(capsys):

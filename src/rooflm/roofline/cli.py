@@ -78,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.model:
         raise ValueError("model is missing: expected a named config (e.g. llama-2-7b), a config.json, a checkpoint "
                          "folder or a .gguf file")
+    if args.json == "-" and args.csv == "-":
+        raise ValueError("--json and --csv both to stdout: only one format can go there; give the other a file")
     batches = _int_list("batch", args.batch)
     input_lens = _int_list("input_len", args.input_len)
     w_bits_list = [w.strip() for w in str(args.w_bits).split(",") if w.strip()]
