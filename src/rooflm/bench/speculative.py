@@ -18,6 +18,8 @@ import json
 import time
 from importlib import resources
 
+from rooflm.units import tok_rate
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
@@ -117,8 +119,8 @@ def run(args: argparse.Namespace) -> int:
            "speedup": spec["output_tok_s"] / plain["output_tok_s"], "identical_tokens": plain["tokens"] == spec["tokens"]}
     print(f"rooflm bench spec: task={args.task} batch={args.batch_size} prompts={len(prompts)} "
           f"output={args.output_len} {res['speculative_config']}")
-    print(f"  plain        {plain['output_tok_s']:8.1f} tok/s  ({plain['steps']} steps)")
-    print(f"  speculative  {spec['output_tok_s']:8.1f} tok/s  ({spec['steps']} steps)   speed-up {res['speedup']:.2f}x"
+    print(f"  plain        {tok_rate(plain['output_tok_s']):>14}  ({plain['steps']} steps)")
+    print(f"  speculative  {tok_rate(spec['output_tok_s']):>14}  ({spec['steps']} steps)   speed-up {res['speedup']:.2f}x"
           f"   greedy tokens identical: {res['identical_tokens']}")
     if spec["acceptance_rate"] is not None:
         print(f"  acceptance {spec['acceptance_rate']:.1%}, mean accepted length {spec['mean_accepted_length']:.2f}; "

@@ -88,8 +88,10 @@ def run(args: argparse.Namespace) -> int:
         from rooflm.roofline.measure import measure_hardware
 
         hw = measure_hardware()
-        print(f"measured {hw.name}: {hw.memory_bandwidth / 1e9:.1f} GB/s, "
-              + ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in hw.peak_ops.items()), file=sys.stderr)
+        from rooflm.units import bandwidth, flop_rate
+
+        print(f"{hw.name}: {bandwidth(hw.memory_bandwidth)}, "
+              + ", ".join(f"{k} {flop_rate(v)}" for k, v in hw.peak_ops.items()), file=sys.stderr)
     else:
         hw = get_hardware(args.hardware, args.device_file)
 
