@@ -15,7 +15,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import API_KEY, REAL_MAX_MODEL_LEN, ServerProcess
+from server_helpers import API_KEY, REAL_MAX_MODEL_LEN, SMALL_MAX_MODEL_LEN, ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -230,12 +230,15 @@ def _first_chunk(response: httpx.Response) -> str:
 def test_full_waiting_queue_is_503_at_once(small_server: ServerProcess):
     """One running sequence, no waiting room: a second request while the first runs gets 503 immediately."""
     with small_server.client() as c:
-        body = {"prompt": "Count: one, two,", "max_tokens": 120, "ignore_eos": True, "stream": True}
+        # as many tokens as the context holds: the first request runs for hundreds of steps after its first chunk,
+        # where the second request needs one round trip on the loopback to arrive
+        body = {"prompt": "Count: one, two,", "max_tokens": SMALL_MAX_MODEL_LEN - 16, "ignore_eos": True,
+                "stream": True}
         with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             _first_chunk(r)
-            # The first stream is still open and unfinished (120 tokens, only one read): with no waiting room
-            # the second request can only be refused, not queued behind it.
+            # The first stream is still open and unfinished (only one chunk read): with no waiting room the
+            # second request can only be refused, not queued behind it.
             r2 = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             err = _error(r2, 503)
             assert err["code"] == "queue_full"
