@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_FIELD_ERROR = re.compile(r"^(EngineConfig|SamplingParams|SchedulerConfig|CacheConfig)\.(\w+)=(.*?) is invalid: "
-                          r"(.*)$", re.S)
+_FIELD_ERROR = re.compile(r"^(?:(EngineConfig|SamplingParams|SchedulerConfig|CacheConfig)\.)?(\w+)=(.*?) is "
+                          r"(invalid|unknown): (.*)$", re.S)
 
 
 def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
@@ -87,19 +87,20 @@ def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def flag_message(parser: argparse.ArgumentParser, args: argparse.Namespace, message: str) -> str:
-    """A config's ``SamplingParams.temperature=-1.0 is invalid: expected ...`` as ``--temperature -1.0: expected
-    ...`` when the command has that flag, so the message names what the user typed."""
+    """A config's ``SamplingParams.temperature=-1.0 is invalid: expected ...`` (or an analyzer's ``w_bits='3' is
+    invalid: ...``) as ``--temperature -1.0: expected ...`` when the command has that flag, so the message names
+    what the user typed."""
     m = _FIELD_ERROR.match(message)
     if not m:
         return message
-    cls, field, value, rest = m.groups()
+    cls, field, value, what, rest = m.groups()
     options = {a.dest: a.option_strings for a in _command_parser(parser, args)._actions if a.option_strings}
     # a request's sampling options may share a name with an engine option (seed): theirs are prefixed sampling_
     flags = options.get(f"sampling_{field}") if cls == "SamplingParams" else None
     flags = flags or options.get(field)
     if not flags:
         return message
-    return f"{max(flags, key=len)} {value}: {rest}"
+    return f"{max(flags, key=len)} {value}: {'unknown, ' if what == 'unknown' else ''}{rest}"
 
 
 def main(argv: list[str] | None = None) -> int:

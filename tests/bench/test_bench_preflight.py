@@ -77,3 +77,12 @@ def test_a_small_model_goes_on_without_yes(monkeypatch, no_loading):
     with pytest.raises(AssertionError, match="the model was loaded"):
         main(["bench", "latency", "--model", "smollm2-135m", "--load-format", "dummy", "--device", "cpu",
               "--dtype", "float32", "--input-len", "16", "--output-len", "4"])
+
+
+@pytest.mark.parametrize("command", ["latency", "throughput"])
+def test_lengths_beyond_the_models_positions_fail_before_measuring(command, monkeypatch, capsys, no_loading):
+    monkeypatch.setattr("rooflm.bench.latency.measure_ceilings", lambda *a: pytest.fail("the ceilings were measured"))
+    assert main(["bench", command, "--model", "llama-2-7b", "--load-format", "dummy", "--device", "cpu",
+                 "--input-len", "4000", "--output-len", "200"]) == 2
+    assert capsys.readouterr().err.strip() == (f"rooflm bench {command}: error: --input-len 4000 + --output-len 200: "
+                                               "must be <= 4096, the max positions of llama-2-7b")

@@ -73,3 +73,14 @@ def test_messages_without_a_matching_flag_are_kept():
     assert flag_message(parser, args, "model='x' is missing") == "model='x' is missing"
     assert flag_message(parser, args, "SamplingParams.seed=1.5 is invalid: expected an integer or None") == \
         "--sample-seed 1.5: expected an integer or None"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["analyze", "llama-2-7b", "--hardware", "a600"], "rooflm analyze: error: --hardware 'a600': unknown, expected "
+                                                      "one of"),
+    (["analyze", "llama-2-7b", "--w-bits", "3"], "--w-bits '3': expected one of 32, 16, bf16, 8, fp8, 4"),
+    (["analyze", "llama-2-7b", "--batch", "0"], "--batch '0': expected an integer >= 1"),
+])
+def test_analyze_errors_name_the_flag(argv, expected, capsys):
+    assert main(argv) == 2
+    assert expected in _one_line_error(capsys)

@@ -228,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
     if min(B, L_in, L_out) < 1:
         raise ValueError("--batch-size, --input-len and --output-len must be >= 1")
     check_output_args(args)
+    check_lengths(args)
     if args.baseline == "llama.cpp":
         _check_llamacpp_args(args, B)
     profiling = args.profile is not None or args.profile_trace is not None
@@ -335,6 +336,16 @@ def run(args: argparse.Namespace) -> int:
         _print(res)
     write_outputs(args, res)
     return 0
+
+
+def check_lengths(args: argparse.Namespace) -> None:
+    """Prompt + output against the model's max positions, from its config, before anything is measured or loaded."""
+    from rooflm.config import load_model_config
+
+    limit = load_model_config(args.model).max_position_embeddings
+    if args.input_len + args.output_len > limit:
+        raise ValueError(f"--input-len {args.input_len} + --output-len {args.output_len}: must be <= {limit}, the max "
+                         f"positions of {args.model}")
 
 
 def preflight(args: argparse.Namespace, device, ceilings: dict, batch: int, kv_bytes: int, iterations: int) -> None:

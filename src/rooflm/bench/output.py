@@ -84,3 +84,16 @@ def write_outputs(args: argparse.Namespace, result: dict[str, Any], rows: Sequen
         _write(args.json, json.dumps(result, indent=1, default=str))
     if getattr(args, "csv", None):
         _write(args.csv, to_csv(rows if rows is not None else [result]))
+
+
+_ERROR_KINDS = {"ConnectError": "cannot connect", "ConnectTimeout": "connecting timed out",
+                "ReadTimeout": "no answer in time", "WriteTimeout": "sending timed out",
+                "PoolTimeout": "no free connection",
+                "RemoteProtocolError": "the connection broke", "ReadError": "the connection broke",
+                "JSONDecodeError": "the server sent invalid JSON"}
+
+
+def describe_error(e: BaseException) -> str:
+    """A failed request in words (``cannot connect: All connection attempts failed``), not an exception class."""
+    kind = _ERROR_KINDS.get(type(e).__name__, "the request failed")
+    return f"{kind}: {e}" if str(e) else kind

@@ -32,7 +32,7 @@ from typing import Any
 
 from rooflm.bench import datasets
 from rooflm.bench.clients import format_clients, jct_stats, per_client_metrics
-from rooflm.bench.output import add_output_args, check_output_args, report_stream, write_outputs
+from rooflm.bench.output import add_output_args, check_output_args, describe_error, report_stream, write_outputs
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 _METRIC_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
@@ -124,7 +124,7 @@ async def send_request(client: Any, url: str, headers: dict[str, str], model: st
             return result
         result.success = True
     except Exception as e:  # network errors, timeouts, bad JSON: a failed request, not a failed benchmark
-        result.error = f"{type(e).__name__}: {e}"
+        result.error = describe_error(e)
     return result
 
 
@@ -404,7 +404,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="mean arrivals per second, Poisson; inf (default) sends all at once")
     parser.add_argument("--burstiness", type=float, default=1.0,
                         help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 more regular (default 1)")
-    parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no limit)")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="requests in flight at most (default: no limit)")
     g = parser.add_argument_group("workload")
     g.add_argument("--dataset-path", default=None, help="a text file to draw prompts from (default: the shipped "
                                                         "Pride and Prejudice excerpt)")
@@ -415,8 +416,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-light-clients", type=int, default=3, help="multi-client: light clients (default 3)")
     g.add_argument("--heavy-fraction", type=float, default=0.6,
                    help="multi-client: the heavy client's share of the requests (default 0.6)")
-    g.add_argument("--input-len", type=int, default=None, help="fixed prompt length in tokens (fixed dataset; default: none)")
-    g.add_argument("--output-len", type=int, default=None, help="fixed output length in tokens (fixed dataset; default: none)")
+    g.add_argument("--input-len", type=int, default=None,
+                   help="fixed prompt length in tokens (fixed dataset; default: none)")
+    g.add_argument("--output-len", type=int, default=None,
+                   help="fixed output length in tokens (fixed dataset; default: none)")
     g.add_argument("--mean-input-len", type=float, default=datasets.SHAREGPT_MEAN_INPUT,
                    help="sharegpt-like: mean prompt tokens after clipping (default 200)")
     g.add_argument("--mean-output-len", type=float, default=datasets.SHAREGPT_MEAN_OUTPUT,
@@ -435,7 +438,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles (default 99)")
     add_output_args(r)
     r.add_argument("--result-file", default=None, metavar="PATH",
-                   help="the same as --json PATH (vLLM's name; default: none)")
+                   help="vLLM's name of --json PATH, used when --json is not given (default: none)")
     r.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
     r.add_argument("--no-warmup", action="store_true", help="skip the initial single test request")
 
@@ -471,12 +474,13 @@ def _validate(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _validate(args)
+    args.json = args.json or args.result_file
     check_output_args(args)
     httpx = _httpx()
     try:
         result = asyncio.run(run_benchmark(args))
     except (RuntimeError, OSError, httpx.HTTPError) as e:  # server unreachable, refused the probe, ...
-        print(f"rooflm bench serve: error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"rooflm bench serve: error: {e or 'the server did not answer'} ({args.base_url})", file=sys.stderr)
         return 1
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     with report_stream(args):
@@ -489,9 +493,5 @@ def run(args: argparse.Namespace) -> int:
     if result["failed"]:
         first_error = next(e for e in result["errors"] if e)
         print(f"{result['failed']} request(s) failed; first error: {first_error}", file=sys.stderr)
-    if args.result_file:
-        with open(args.result_file, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-        print(f"results written to {args.result_file}", file=sys.stderr)
     write_outputs(args, result)
     return 0 if result["completed"] else 1

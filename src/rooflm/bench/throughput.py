@@ -65,7 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from rooflm.bench.latency import _async_flag, build_hf_model, preflight, hf_generate_time, kv_cache_bytes, measure_ceilings
+    from rooflm.bench.latency import (_async_flag, build_hf_model, hf_generate_time, kv_cache_bytes,
+                                      check_lengths, measure_ceilings, preflight)
     from rooflm.engine.engine import resolve_device, resolve_dtype
     from rooflm.llm import LLM
     from rooflm.roofline.live import roofline_summary
@@ -77,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     if min(N, L_in, L_out) < 1:
         raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
     check_output_args(args)
+    check_lengths(args)
     note(f"measuring this machine's ceilings ({device.type})")
     ceilings = measure_ceilings(device, dtype)
     seqs = min(args.max_num_seqs, N)

@@ -44,7 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "every projection); -1: one scale per output channel")
     p.add_argument("--desc-act", action="store_true", help="GPTQ act-order: quantize columns by decreasing Hessian "
                                                             "diagonal")
-    p.add_argument("--calib", default=None, metavar="FILE", help="calibration text file (default: the shipped King James Bible excerpt)")
+    p.add_argument("--calib", default=None, metavar="FILE",
+                   help="calibration text file (default: the shipped King James Bible excerpt)")
     p.add_argument("--num-samples", type=_positive("--num-samples"), default=16, help="calibration windows")
     p.add_argument("--seq-len", type=_positive("--seq-len"), default=256, help="tokens per calibration window")
     p.add_argument("--format", dest="fmt", choices=("gptq", "awq"), default=None,
@@ -53,7 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="GPTQ zero-point convention: gptq stores z - 1 (what every loader reads), gptq_v2 stores z")
     p.add_argument("--threads", type=_positive("--threads"), default=None,
                    help="CPU threads (default: the cores the 1-minute load average leaves idle, at least 1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of random weights (named configs) and of the calibration's row sampling")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of random weights (named configs) and of the calibration's row sampling")
     p.add_argument("--out", required=True, metavar="DIR", help="folder to write the quantized checkpoint to")
     p.set_defaults(func=_quantize)
 
