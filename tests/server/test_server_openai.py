@@ -11,6 +11,7 @@ import signal
 import socket
 import threading
 import time
+from typing import Iterator
 
 import httpx
 import openai
@@ -220,8 +221,10 @@ def test_tokenize_detokenize_round_trip(real_server: ServerProcess):
         assert c.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "Hello world"
 
 
-def _first_chunk(response: httpx.Response) -> str:
-    for line in response.iter_lines():
+def _first_chunk(lines: Iterator[str]) -> str:
+    """The first data line of ``lines``, which the caller keeps referenced while the stream should stay open: a line
+    iterator that is dropped gets closed, and httpx then closes the connection (the server aborts the request)."""
+    for line in lines:
         if line.startswith("data: "):
             return line
     raise AssertionError("no chunk")
@@ -236,7 +239,8 @@ def test_full_waiting_queue_is_503_at_once(small_server: ServerProcess):
                 "stream": True}
         with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
-            _first_chunk(r)
+            lines = r.iter_lines()
+            _first_chunk(lines)
             # The first stream is still open and unfinished (only one chunk read): with no waiting room the
             # second request can only be refused, not queued behind it.
             r2 = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
