@@ -1,7 +1,6 @@
 """The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``, with vLLM's names."""
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -108,7 +107,7 @@ class LLM:
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         if bar is not None:
-                            bar.update(1)
+                            bar.finished(out)
                 if not engine.has_unfinished_requests() and any(r is None for r in results):
                     raise RuntimeError("the engine stopped with requests unfinished")
         except BaseException:
@@ -122,6 +121,6 @@ class LLM:
 
 
 def _progress(total: int):
-    from tqdm import tqdm
+    from rooflm.progress import BatchProgress
 
-    return tqdm(total=total, desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True)
+    return BatchProgress(total)

@@ -2,6 +2,7 @@
 consistent JSON: the same code paths the GPU figures in docs/benchmarks.md come from."""
 from __future__ import annotations
 
+import csv
 import json
 
 import pytest
@@ -12,10 +13,25 @@ COMMON = ["--model", "smollm2-135m", "--load-format", "dummy", "--device", "cpu"
           "--input-len", "16", "--output-len", "4"]
 
 
-def test_bench_latency_json(tmp_path):
-    out = tmp_path / "latency.json"
-    assert main(["bench", "latency", *COMMON, "--batch-size", "2", "--num-iters", "1", "--json", str(out)]) == 0
-    d = json.loads(out.read_text())
+def _csv_row(path) -> dict:
+    rows = list(csv.DictReader(path.open()))
+    assert len(rows) == 1
+    return rows[0]
+
+
+def test_bench_latency_json(tmp_path, capsys):
+    table = tmp_path / "latency.csv"
+    assert main(["bench", "latency", *COMMON, "--batch-size", "2", "--num-iters", "1", "--json", "-",
+                 "--csv", str(table)]) == 0
+    captured = capsys.readouterr()
+    d = json.loads(captured.out)  # stdout holds the JSON alone; the report went to stderr
+    assert "rooflm bench latency:" in captured.err and "tok/s" in captured.err
+    row = _csv_row(table)
+    for key in ("batch_size", "input_len", "output_len", "ttft_s", "tpot_s", "e2e_s", "decode_tok_s", "e2e_tok_s",
+                "ceilings.copy_gbps", "roofline.tpot_s", "achieved_gbps"):
+        outer, _, inner = key.partition(".")
+        assert float(row[key]) == pytest.approx(float(d[outer][inner] if inner else d[outer]))
+    assert "iterations" not in row  # lists stay in the JSON
     assert (d["batch_size"], d["input_len"], d["output_len"]) == (2, 16, 4)
     assert 0 < d["ttft_s"] < d["e2e_s"] and d["tpot_s"] > 0
     assert d["decode_tok_s"] == pytest.approx(d["batch_size"] / d["tpot_s"], rel=1e-6)
@@ -23,10 +39,19 @@ def test_bench_latency_json(tmp_path):
     assert d["ceilings"]["copy_gbps"] > 0 and d["ceilings"]["matmul_tflops"] > 0
 
 
-def test_bench_throughput_json(tmp_path):
+def test_bench_throughput_json(tmp_path, capsys):
     out = tmp_path / "throughput.json"
-    assert main(["bench", "throughput", *COMMON, "--num-prompts", "4", "--json", str(out)]) == 0
+    assert main(["bench", "throughput", *COMMON, "--num-prompts", "4", "--json", str(out), "--csv", "-"]) == 0
     d = json.loads(out.read_text())
+    row = next(csv.DictReader(capsys.readouterr().out.splitlines()))  # stdout holds the CSV alone
+    for key in ("num_prompts", "elapsed_s", "requests_per_s", "output_tok_s", "total_tok_s"):
+        assert float(row[key]) == pytest.approx(float(d[key]))
     assert d["num_prompts"] == 4 and d["elapsed_s"] > 0
     assert d["output_tok_s"] == pytest.approx(4 * 4 / d["elapsed_s"], rel=1e-6)
     assert d["requests_per_s"] == pytest.approx(4 / d["elapsed_s"], rel=1e-6)
+
+
+def test_both_formats_on_stdout_is_refused_before_loading(capsys, monkeypatch):
+    monkeypatch.setattr("rooflm.bench.latency.measure_ceilings", lambda *a: pytest.fail("the benchmark started"))
+    assert main(["bench", "latency", *COMMON, "--json", "-", "--csv", "-"]) == 2
+    assert "--json - and --csv -" in capsys.readouterr().err

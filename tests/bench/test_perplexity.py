@@ -4,6 +4,7 @@ and the command's options, table and JSON."""
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import json
 import math
@@ -139,9 +140,13 @@ def test_command_compare_table_and_json(tiny, tokenizer, tmp_path, capsys):
     args = build_parser().parse_args(
         ["bench", "perplexity", "--model", folder, "--dtype", "float32", "--device", "cpu", "--max-tokens", "120",
          "--window", str(WINDOW), "--stride", "48", "--max-num-batched-tokens", str(CHUNK), "--compare", "none,none",
-         "--json", str(out)])
+         "--json", str(out), "--csv", str(tmp_path / "ppl.csv")])
     assert args.func(args) == 0
     res = json.loads(out.read_text())
+    table = list(csv.DictReader((tmp_path / "ppl.csv").open()))  # one row per setting, the run's fields on each
+    assert [r["setting"] for r in table] == ["none", "none"]
+    assert [float(r["perplexity"]) for r in table] == pytest.approx([r["perplexity"] for r in res["results"]])
+    assert {r["window"] for r in table} == {str(WINDOW)} and {r["stride"] for r in table} == {"48"}
     direct = ppl.perplexity(_llm(folder), ppl.excerpt_tokens(tokenizer, ppl.load_text(), 120), WINDOW, 48)
     rows = res["results"]
     assert [r["setting"] for r in rows] == ["none", "none"]

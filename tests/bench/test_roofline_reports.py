@@ -28,7 +28,7 @@ def _stats(fraction: float = 0.4) -> tuple[EngineStats, LiveRoofline]:
 
 
 def _expected_line(live: LiveRoofline) -> str:
-    return f"roofline: steps ran at {live.fraction:.1%} of their best possible time (NVIDIA H200 measured: 4.2 TB/s, " \
+    return f"roofline: steps ran at {live.fraction:.1%} of their best possible time (NVIDIA H200 measured: 4.20 TB/s, " \
            "760 TFLOP/s; 2 steps)"
 
 
@@ -72,7 +72,7 @@ def test_latency_profile_lines():
                "batch_8": {"batch": 8, "steps": 16, "step_wall_ms": 3.0, "gaps": 0, "mean_us": None,
                            "median_us": None, "p90_us": None, "max_us": None}}
     lines = latency.profile_lines(profile)
-    assert lines[0] == ("  GPU idle between decode steps (batch 1): mean 12.3 us, median 11.0 us, p90 20.5 us over "
+    assert lines[0] == ("  GPU idle between decode steps (batch 1): mean 12.3 µs, median 11.0 µs, p90 20.5 µs over "
                         "15 gaps (2.50 ms per step under the profiler)")
     assert lines[1] == "    trace: t.batch1.json"
     assert "batch 8" in lines[2] and "no consecutive steps" in lines[2]

@@ -339,7 +339,11 @@ def test_full_waiting_queue_is_503_at_once():
             with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 100, "stream": True}) as r:
                 assert server.fake.wait_until(lambda: len(server.fake.added) == 1)
                 server.fake.allow(1)
-                next(line for line in r.iter_lines() if line.startswith("data: "))
+                # The line iterator stays referenced while the stream is open: a dropped one is closed, and httpx
+                # then closes the connection, which the server takes for a client gone and aborts the request. The
+                # second request would then race that abort for the slot.
+                lines = r.iter_lines()
+                next(line for line in lines if line.startswith("data: "))
                 r2 = c.post("/v1/completions", json={"prompt": "y", "max_tokens": 2})
                 err = assert_error(r2, 503)
                 assert err["code"] == "queue_full" and r2.headers.get("retry-after")

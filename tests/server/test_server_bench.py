@@ -3,6 +3,7 @@ default model in a subprocess (the acceptance run: a report and a JSON result fi
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import subprocess
 import sys
@@ -44,14 +45,19 @@ def test_bench_against_the_fake_server_fixed_lengths(shared_fake_server: FakeSer
     assert all(0 < t for t in r["ttfts"])
 
 
-def test_bench_against_the_fake_server_sharegpt_like_poisson(shared_fake_server: FakeServer, tmp_path):
-    out = tmp_path / "r.json"
+def test_bench_against_the_fake_server_sharegpt_like_poisson(shared_fake_server: FakeServer, tmp_path, capsys):
     rc = run(_args("--base-url", shared_fake_server.url + "/v1", "--api-key", API_KEY, "--num-prompts", "10",
                    "--mean-input-len", "30", "--mean-output-len", "8", "--max-input-len", "100",
                    "--max-output-len", "20", "--request-rate", "50", "--endpoint", "/v1/chat/completions",
-                   "--result-file", str(out)))
+                   "--json", "-", "--csv", str(tmp_path / "r.csv")))
     assert rc == 0
-    r = json.loads(out.read_text())
+    captured = capsys.readouterr()
+    r = json.loads(captured.out)  # stdout holds the JSON alone; the report went to stderr
+    assert "Serving Benchmark Result" in captured.err
+    row = next(csv.DictReader((tmp_path / "r.csv").open()))
+    for key in ("completed", "request_throughput", "output_throughput", "mean_ttft_ms", "p99_e2el_ms"):
+        assert float(row[key]) == pytest.approx(float(r[key]))
+    assert "ttfts" not in row  # per-request lists stay in the JSON
     assert r["completed"] == 10 and r["dataset_name"] == "sharegpt-like" and r["backend"] == "openai-chat"
     assert r["request_rate"] == 50
 

@@ -11,11 +11,12 @@ import signal
 import socket
 import threading
 import time
+from typing import Iterator
 
 import httpx
 import openai
 import pytest
-from server_helpers import API_KEY, REAL_MAX_MODEL_LEN, ServerProcess
+from server_helpers import API_KEY, REAL_MAX_MODEL_LEN, SMALL_MAX_MODEL_LEN, ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -220,8 +221,10 @@ def test_tokenize_detokenize_round_trip(real_server: ServerProcess):
         assert c.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "Hello world"
 
 
-def _first_chunk(response: httpx.Response) -> str:
-    for line in response.iter_lines():
+def _first_chunk(lines: Iterator[str]) -> str:
+    """The first data line of ``lines``, which the caller keeps referenced while the stream should stay open: a line
+    iterator that is dropped gets closed, and httpx then closes the connection (the server aborts the request)."""
+    for line in lines:
         if line.startswith("data: "):
             return line
     raise AssertionError("no chunk")
@@ -230,12 +233,16 @@ def _first_chunk(response: httpx.Response) -> str:
 def test_full_waiting_queue_is_503_at_once(small_server: ServerProcess):
     """One running sequence, no waiting room: a second request while the first runs gets 503 immediately."""
     with small_server.client() as c:
-        body = {"prompt": "Count: one, two,", "max_tokens": 120, "ignore_eos": True, "stream": True}
+        # as many tokens as the context holds: the first request runs for hundreds of steps after its first chunk,
+        # where the second request needs one round trip on the loopback to arrive
+        body = {"prompt": "Count: one, two,", "max_tokens": SMALL_MAX_MODEL_LEN - 16, "ignore_eos": True,
+                "stream": True}
         with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
-            _first_chunk(r)
-            # The first stream is still open and unfinished (120 tokens, only one read): with no waiting room
-            # the second request can only be refused, not queued behind it.
+            lines = r.iter_lines()
+            _first_chunk(lines)
+            # The first stream is still open and unfinished (only one chunk read): with no waiting room the
+            # second request can only be refused, not queued behind it.
             r2 = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             err = _error(r2, 503)
             assert err["code"] == "queue_full"

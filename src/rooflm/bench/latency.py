@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import time
+
+from rooflm.bench.output import add_output_args, check_output_args, report_stream, write_outputs
+from rooflm.bench.preflight import add_yes_arg, note
+from rooflm.bench.reports import latency_lines, profile_lines  # noqa: F401 - profile_lines: part of this module's API
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,16 +40,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "safetensors, gguf")
     p.add_argument("--dtype", default=None,
                    help="float16, bfloat16 or float32 (default: float16 on a GPU, float32 on the CPU)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--input-len", type=int, default=1024)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--num-iters", type=int, default=3)
-    p.add_argument("--num-iters-warmup", type=int, default=1)
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+    p.add_argument("--batch-size", type=int, default=1, help="requests run together")
+    p.add_argument("--input-len", type=int, default=1024,
+                   help="prompt tokens per request (default: 1024 with a GPU, 128 without)")
+    p.add_argument("--output-len", type=int, default=128,
+                   help="generated tokens per request (default: 128 with a GPU, 32 without)")
+    p.add_argument("--num-iters", type=int, default=3, help="timed iterations (the report gives medians)")
+    p.add_argument("--num-iters-warmup", type=int, default=1, help="untimed iterations first")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-scheduling", default=None, choices=["on", "off"],
                    help="schedule step N+1 while step N runs (default: on for CUDA, off on the CPU)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"],
+                   help="attention implementation")
     p.add_argument("--quantization", default=None,
                    help="none | w8a16 | w4a16 | gptq | awq | gguf | fp8 (default: what the checkpoint holds)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
@@ -56,10 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gib", type=float, default=None,
                    help="KV pool size (default: what the batch needs, plus 10%%)")
     p.add_argument("--baseline", choices=["none", "hf", "llama.cpp"], default="none",
-                   help="hf: also time transformers' generate on the same weights and prompts; llama.cpp: time "
+                   help="none; hf: also time transformers' generate on the same weights and prompts; llama.cpp: time "
                         "llama.cpp (llama-cpp-python, same threads) on the same .gguf file and prompts (batch 1)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write every figure to this JSON file")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and weights")
+    add_output_args(p)
+    add_yes_arg(p)
     p.add_argument("--profile", nargs="?", const="", default=None, metavar="FILE",
                    help="CUDA only: profile 16 decode steps (batch 1 and --batch-size) with torch.profiler and report "
                         "the GPU idle time between consecutive steps; FILE: also write the operator tables there")
@@ -220,14 +227,19 @@ def run(args: argparse.Namespace) -> int:
     B, L_in, L_out = args.batch_size, args.input_len, args.output_len
     if min(B, L_in, L_out) < 1:
         raise ValueError("--batch-size, --input-len and --output-len must be >= 1")
+    check_output_args(args)
+    check_lengths(args)
     if args.baseline == "llama.cpp":
         _check_llamacpp_args(args, B)
     profiling = args.profile is not None or args.profile_trace is not None
     if profiling and device.type != "cuda":
         raise ValueError(f"--profile needs a CUDA device: it measures GPU idle time between decode steps "
                          f"(this run is on {device.type})")
+    note(f"measuring this machine's ceilings ({device.type})")
     ceilings = measure_ceilings(device, dtype)
     kv_bytes = kv_cache_bytes(args, dtype, B * (L_in + L_out))
+    preflight(args, device, ceilings, B, kv_bytes, args.num_iters + args.num_iters_warmup)
+    note(f"loading {args.model}")
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(
         model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
@@ -250,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
     def prompts() -> list[list[int]]:
         return torch.randint(0, cfg.vocab_size, (B, L_in), generator=gen).tolist()
 
+    note(f"warm-up: {args.num_iters_warmup} iteration(s); then {args.num_iters} timed")
     t0 = time.perf_counter()
     for _ in range(args.num_iters_warmup):
         _one_iteration(engine, prompts(), min(L_out, 16))
@@ -319,11 +332,31 @@ def run(args: argparse.Namespace) -> int:
         for b in sorted({1, B}):
             res["profile"][f"batch_{b}"] = _profile(engine, prompts()[:b], args.profile if b == B else "",
                                                     args.profile_trace)
-    _print(res)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+    with report_stream(args):
+        _print(res)
+    write_outputs(args, res)
     return 0
+
+
+def check_lengths(args: argparse.Namespace) -> None:
+    """Prompt + output against the model's max positions, from its config, before anything is measured or loaded."""
+    from rooflm.config import load_model_config
+
+    limit = load_model_config(args.model).max_position_embeddings
+    if args.input_len + args.output_len > limit:
+        raise ValueError(f"--input-len {args.input_len} + --output-len {args.output_len}: must be <= {limit}, the max "
+                         f"positions of {args.model}")
+
+
+def preflight(args: argparse.Namespace, device, ceilings: dict, batch: int, kv_bytes: int, iterations: int) -> None:
+    """The run's memory and roofline time before the model loads (``rooflm.bench.preflight``): refused when it
+    cannot fit, or when it is long and ``--yes`` is not given. Shared with bench/throughput.py."""
+    from rooflm.bench import preflight as pf
+    from rooflm.config import load_model_config
+
+    est = pf.estimate(load_model_config(args.model), ceilings, pf.weight_bits(args.dtype, args.quantization), batch,
+                      args.input_len, args.output_len, iterations, kv_bytes)
+    pf.check(est, pf.available_memory(device.type), args.yes, args.model)
 
 
 def _check_llamacpp_args(args: argparse.Namespace, batch: int) -> None:
@@ -357,6 +390,7 @@ def _profile(engine, prompts: list[list[int]], table_path: str, trace_path: str 
     """torch.profiler over PROFILE_STEPS decode steps of ``prompts``, each inside a ``rooflm_step`` marker: the GPU
     idle time between consecutive steps; the operator tables to ``table_path`` (if not empty), the Chrome trace to
     ``trace_path`` with ``.batch<N>`` before its extension (if given)."""
+    import json
     import os
     import tempfile
 
@@ -414,57 +448,6 @@ def _profile(engine, prompts: list[list[int]], table_path: str, trace_path: str 
     return out
 
 
-def profile_lines(profile: dict) -> list[str]:
-    """The report lines of ``--profile``: GPU idle time between decode steps, per batch size."""
-    lines = []
-    for p in profile.values():
-        head = f"  GPU idle between decode steps (batch {p['batch']}): "
-        if not p["gaps"]:
-            lines.append(head + "no consecutive steps with GPU work were found in the trace")
-            continue
-        lines.append(head + f"mean {p['mean_us']:.1f} us, median {p['median_us']:.1f} us, p90 {p['p90_us']:.1f} us "
-                     f"over {p['gaps']} gaps ({p['step_wall_ms']:.2f} ms per step under the profiler)")
-        for key, what in (("tables", "operator tables"), ("trace", "trace")):
-            if key in p:
-                lines.append(f"    {what}: {p[key]}")
-    return lines
-
-
 def _print(r: dict) -> None:
-    from rooflm.roofline.live import roofline_line
-
-    c = r["ceilings"]
-    print(f"rooflm bench latency: {r['model']} {r['dtype']} batch={r['batch_size']} input={r['input_len']} "
-          f"output={r['output_len']} on {c['device']} (attention {','.join(r['attention_backend'])}, "
-          f"CUDA graphs {'on' if r['cuda_graphs'] else 'off'})")
-    print(f"  measured: copy {c['copy_gbps']:.0f} GB/s, matmul {c['matmul_tflops']:.3g} TFLOP/s")
-    print(f"  engine init {r['engine_init_s']:.1f} s (graph capture {r['graph_capture_s']:.1f} s), "
-          f"warm-up {r['warmup_s']:.1f} s")
-    print(f"  TTFT {r['ttft_s'] * 1e3:.1f} ms   TPOT {r['tpot_s'] * 1e3:.2f} ms   decode {r['decode_tok_s']:.1f} tok/s   "
-          f"end-to-end {r['e2e_tok_s']:.1f} tok/s")
-    if "roofline" in r:
-        rb = r["roofline"]
-        print(f"  roofline: TPOT >= {rb['tpot_s'] * 1e3:.2f} ms ({r['fraction_of_roofline_tpot']:.1%} reached), "
-              f"TTFT >= {rb['ttft_s'] * 1e3:.1f} ms ({r['fraction_of_roofline_ttft']:.1%} reached)")
-        print(f"  achieved {r['achieved_gbps']:.0f} GB/s in decode = {r['fraction_of_copy_bandwidth']:.1%} of the "
-              f"measured copy bandwidth; prefill {r['prefill_tflops']:.0f} TFLOP/s = "
-              f"{r['prefill_fraction_of_matmul_peak']:.1%} of the measured matmul peak")
-    line = roofline_line(r.get("live_roofline"))
-    if line:
-        print(f"  {line}")
-    for line in profile_lines(r.get("profile", {})):
+    for line in latency_lines(r):
         print(line)
-    if "hf" in r:
-        h = r["hf"]
-        print(f"  transformers generate: TTFT {h['ttft_s'] * 1e3:.1f} ms  TPOT {h['tpot_s'] * 1e3:.2f} ms  "
-              f"decode {h['decode_tok_s']:.1f} tok/s  end-to-end {h['e2e_tok_s']:.1f} tok/s")
-        print(f"  speed-up: decode {r['speedup_decode']:.1f}x, end-to-end {r['speedup_e2e']:.1f}x "
-              f"(greedy tokens agree for the first {r['hf_greedy_tokens_agree_prefix']})")
-    if "llama.cpp" in r:
-        b = r["llama.cpp"]
-        repack = "" if b["repack_buffers"] else ", repacking buffers off (the build crashed with them)"
-        print(f"  llama.cpp {b['version']} ({b['threads']} threads{repack}): TTFT {b['ttft_s'] * 1e3:.1f} ms  "
-              f"TPOT {b['tpot_s'] * 1e3:.2f} ms  decode {b['decode_tok_s']:.1f} tok/s  end-to-end "
-              f"{b['e2e_tok_s']:.1f} tok/s")
-        print(f"  rooflm / llama.cpp: decode {r['speedup_vs_llamacpp_decode']:.2f}x, end-to-end "
-              f"{r['speedup_vs_llamacpp_e2e']:.2f}x")

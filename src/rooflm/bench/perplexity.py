@@ -27,13 +27,14 @@ settings (``QUANT`` or ``QUANT:KV_DTYPE``) one after the other in one run and pr
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
+
+from rooflm.bench.output import add_output_args, check_output_args, report_stream, write_outputs
 
 DEFAULT_TEXT = "austen_pride_and_prejudice.txt"
 # The engine's option for each pass-through flag, and the value that means "as an engine without the option".
@@ -43,9 +44,9 @@ _PASS_THROUGH = {"quantization": ("--quantization", "none"), "kv_cache_dtype": (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint folder or .gguf (default: the embedded SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--dtype", default="auto", help="auto (float32 on the CPU, bfloat16 on CUDA), float16, bfloat16, "
+    p.add_argument("--dtype", default="auto", help="auto (default: float32 on the CPU, bfloat16 on CUDA), float16, bfloat16, "
                                                    "float32")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
     p.add_argument("--text", default=None, metavar="FILE",
                    help="UTF-8 text to score (default: Pride and Prejudice, chapters 1-12, shipped with rooflm)")
     p.add_argument("--max-tokens", type=int, default=4096,
@@ -68,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", default=None, metavar="A,B,...",
                    help="evaluate several settings in one run and print a table with each one's ratio to the first: "
                         "comma-separated QUANT or QUANT:KV_DTYPE, e.g. none,w8a16,w4a16 or none,none:int8")
-    p.add_argument("--json", default=None, help="write every figure to this JSON file")
+    add_output_args(p)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -247,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-num-batched-tokens {args.max_num_batched_tokens} is invalid: expected >= 1")
     if not isinstance(args.max_tokens, int) or args.max_tokens < 2:
         raise ValueError(f"--max-tokens {args.max_tokens} is invalid: expected >= 2 (one context token, one scored)")
+    check_output_args(args)
     plan_windows(args.max_tokens, args.window, args.stride)  # check the flags before loading anything
     settings = (parse_compare(args.compare, args.kv_cache_dtype) if args.compare
                 else [(args.quantization, args.kv_cache_dtype)])
@@ -263,10 +265,10 @@ def run(args: argparse.Namespace) -> int:
            "model": args.model or "default (SmolLM2-135M-Instruct GGUF)", "text": args.text or DEFAULT_TEXT,
            "max_tokens": args.max_tokens, "window": args.window, "stride": args.stride or args.window,
            "max_num_batched_tokens": args.max_num_batched_tokens, "results": rows}
-    _print(res)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    with report_stream(args):
+        _print(res)
+    common = {k: res[k] for k in ("model", "text", "max_tokens", "window", "stride", "max_num_batched_tokens")}
+    write_outputs(args, res, rows=[{**common, **row} for row in rows])  # CSV: one row per setting
     return 0
 
 

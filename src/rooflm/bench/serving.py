@@ -32,6 +32,7 @@ from typing import Any
 
 from rooflm.bench import datasets
 from rooflm.bench.clients import format_clients, jct_stats, per_client_metrics
+from rooflm.bench.output import add_output_args, check_output_args, describe_error, report_stream, write_outputs
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 _METRIC_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
@@ -123,7 +124,7 @@ async def send_request(client: Any, url: str, headers: dict[str, str], model: st
             return result
         result.success = True
     except Exception as e:  # network errors, timeouts, bad JSON: a failed request, not a failed benchmark
-        result.error = f"{type(e).__name__}: {e}"
+        result.error = describe_error(e)
     return result
 
 
@@ -402,8 +403,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-rate", type=float, default=math.inf,
                         help="mean arrivals per second, Poisson; inf (default) sends all at once")
     parser.add_argument("--burstiness", type=float, default=1.0,
-                        help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 more regular")
-    parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+                        help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 more regular (default 1)")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="requests in flight at most (default: no limit)")
     g = parser.add_argument_group("workload")
     g.add_argument("--dataset-path", default=None, help="a text file to draw prompts from (default: the shipped "
                                                         "Pride and Prejudice excerpt)")
@@ -414,8 +416,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-light-clients", type=int, default=3, help="multi-client: light clients (default 3)")
     g.add_argument("--heavy-fraction", type=float, default=0.6,
                    help="multi-client: the heavy client's share of the requests (default 0.6)")
-    g.add_argument("--input-len", type=int, default=None, help="fixed prompt length in tokens (fixed dataset)")
-    g.add_argument("--output-len", type=int, default=None, help="fixed output length in tokens (fixed dataset)")
+    g.add_argument("--input-len", type=int, default=None,
+                   help="fixed prompt length in tokens (fixed dataset; default: none)")
+    g.add_argument("--output-len", type=int, default=None,
+                   help="fixed output length in tokens (fixed dataset; default: none)")
     g.add_argument("--mean-input-len", type=float, default=datasets.SHAREGPT_MEAN_INPUT,
                    help="sharegpt-like: mean prompt tokens after clipping (default 200)")
     g.add_argument("--mean-output-len", type=float, default=datasets.SHAREGPT_MEAN_OUTPUT,
@@ -426,13 +430,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="prompt sizing ratio (default: measured with the server's /tokenize, else 1.3)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="send ignore_eos=true (a rooflm/vLLM extra) so outputs have exactly the asked length")
-    g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--extra-body", default=None, help="JSON object merged into every request body (default: none)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrival times")
     r = parser.add_argument_group("report")
     r.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
-                   help="SLOs for goodput, e.g. --goodput ttft:500 tpot:50 e2el:5000")
+                   help="SLOs for goodput, e.g. --goodput ttft:500 tpot:50 e2el:5000 (default: no goodput)")
     r.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles (default 99)")
-    r.add_argument("--result-file", default=None, help="write the results as JSON here")
+    add_output_args(r)
+    r.add_argument("--result-file", default=None, metavar="PATH",
+                   help="vLLM's name of --json PATH, used when --json is not given (default: none)")
     r.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
     r.add_argument("--no-warmup", action="store_true", help="skip the initial single test request")
 
@@ -468,23 +474,24 @@ def _validate(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _validate(args)
+    args.json = args.json or args.result_file
+    check_output_args(args)
     httpx = _httpx()
     try:
         result = asyncio.run(run_benchmark(args))
     except (RuntimeError, OSError, httpx.HTTPError) as e:  # server unreachable, refused the probe, ...
-        print(f"rooflm bench serve: error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"rooflm bench serve: error: {e or 'the server did not answer'} ({args.base_url})", file=sys.stderr)
         return 1
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
-    print(format_report(result, percentiles, parse_goodput(args.goodput), args.request_rate, args.max_concurrency))
-    print(f"Job completion time (ms): mean {result['mean_jct_ms']:.0f}, p50 {result['p50_jct_ms']:.0f}, "
-          f"p99 {result['p99_jct_ms']:.0f}")
-    if "per_client" in result:
-        print(format_clients(result["per_client"]))
+    with report_stream(args):
+        print(format_report(result, percentiles, parse_goodput(args.goodput), args.request_rate,
+                            args.max_concurrency))
+        print(f"Job completion time (ms): mean {result['mean_jct_ms']:.0f}, p50 {result['p50_jct_ms']:.0f}, "
+              f"p99 {result['p99_jct_ms']:.0f}")
+        if "per_client" in result:
+            print(format_clients(result["per_client"]))
     if result["failed"]:
         first_error = next(e for e in result["errors"] if e)
         print(f"{result['failed']} request(s) failed; first error: {first_error}", file=sys.stderr)
-    if args.result_file:
-        with open(args.result_file, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-        print(f"results written to {args.result_file}")
+    write_outputs(args, result)
     return 0 if result["completed"] else 1

@@ -18,18 +18,22 @@ import json
 import time
 from importlib import resources
 
+from rooflm.units import tok_rate
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
-    p.add_argument("--load-format", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--task", choices=["repeat", "continue"], default="repeat")
+    p.add_argument("--load-format", default="auto", help="auto, dummy (random weights), safetensors, gguf")
+    p.add_argument("--dtype", default="auto", help="auto (float32 on the CPU, bfloat16 on CUDA), float16, "
+                   "bfloat16, float32")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+    p.add_argument("--task", choices=["repeat", "continue"], default="repeat",
+                   help="repeat: prompts that ask to copy a text (drafts match often); continue: free continuation")
     p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}',
                    help="JSON, as the engine's speculative_config")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=1, help="requests run together")
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts in all")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens per prompt")
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--verify-cost", action="store_true",
                    help="instead: time verify steps of k+1 tokens against a decode step (see --verify-batch-sizes)")
@@ -115,8 +119,8 @@ def run(args: argparse.Namespace) -> int:
            "speedup": spec["output_tok_s"] / plain["output_tok_s"], "identical_tokens": plain["tokens"] == spec["tokens"]}
     print(f"rooflm bench spec: task={args.task} batch={args.batch_size} prompts={len(prompts)} "
           f"output={args.output_len} {res['speculative_config']}")
-    print(f"  plain        {plain['output_tok_s']:8.1f} tok/s  ({plain['steps']} steps)")
-    print(f"  speculative  {spec['output_tok_s']:8.1f} tok/s  ({spec['steps']} steps)   speed-up {res['speedup']:.2f}x"
+    print(f"  plain        {tok_rate(plain['output_tok_s']):>14}  ({plain['steps']} steps)")
+    print(f"  speculative  {tok_rate(spec['output_tok_s']):>14}  ({spec['steps']} steps)   speed-up {res['speedup']:.2f}x"
           f"   greedy tokens identical: {res['identical_tokens']}")
     if spec["acceptance_rate"] is not None:
         print(f"  acceptance {spec['acceptance_rate']:.1%}, mean accepted length {spec['mean_accepted_length']:.2f}; "

@@ -15,42 +15,58 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
+import sys
 import time
+
+from rooflm.bench.output import add_output_args, check_output_args, report_stream, write_outputs
+from rooflm.bench.preflight import add_yes_arg, note
+from rooflm.bench.reports import throughput_lines
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama-2-7b")
-    p.add_argument("--load-format", default="dummy")
-    p.add_argument("--dtype", default="float16")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--model", default="llama-2-7b", help="named config, checkpoint folder or .gguf (default: the "
+                   "embedded SmolLM2-135M GGUF without a GPU, llama-2-7b with one)")
+    p.add_argument("--load-format", default="dummy", help="auto, dummy (random weights), safetensors, gguf "
+                   "(default: dummy with a GPU, auto without)")
+    p.add_argument("--dtype", default="float16",
+                   help="float16, bfloat16 or float32 (default: float16 with a GPU, float32 without)")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+    p.add_argument("--num-prompts", type=int, default=256, help="requests in the batch")
+    p.add_argument("--input-len", type=int, default=512,
+                   help="prompt tokens per request (default: 512 with a GPU, 128 without)")
+    p.add_argument("--output-len", type=int, default=128,
+                   help="generated tokens per request (default: 128 with a GPU, 32 without)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded together at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="token budget of one engine step")
     p.add_argument("--kv-cache-memory-gib", type=float, default=None,
                    help="KV pool size (default: what --max-num-seqs requests need, plus 10%%)")
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--speculative-config", default=None, help="JSON, as the engine's speculative_config")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--speculative-config", default=None, help="JSON, as the engine's speculative_config (default: off)")
     p.add_argument("--async-scheduling", default=None, choices=["on", "off"],
                    help="schedule step N+1 while step N runs (default: on for CUDA, off on the CPU)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"],
+                   help="attention implementation")
     p.add_argument("--quantization", default=None,
                    help="none | w8a16 | w4a16 | gptq | awq | gguf | fp8 (default: what the checkpoint holds)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
                    help="KV cache element type (default auto: the model's dtype)")
-    p.add_argument("--baseline", choices=["none", "hf"], default="none")
-    p.add_argument("--hf-num-prompts", type=int, default=64)
-    p.add_argument("--hf-batch-size", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None)
+    p.add_argument("--baseline", choices=["none", "hf"], default="none",
+                   help="hf: also time transformers' generate on the same weights")
+    p.add_argument("--hf-num-prompts", type=int, default=64, help="with --baseline hf: prompts it runs")
+    p.add_argument("--hf-batch-size", type=int, default=32, help="with --baseline hf: its batch size")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and weights")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress bar on stderr with requests and input/output tok/s, as vLLM's (default: on when "
+                        "stderr is a terminal)")
+    add_output_args(p)
+    add_yes_arg(p)
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from rooflm.bench.latency import _async_flag, build_hf_model, hf_generate_time, kv_cache_bytes, measure_ceilings
+    from rooflm.bench.latency import (_async_flag, build_hf_model, hf_generate_time, kv_cache_bytes,
+                                      check_lengths, measure_ceilings, preflight)
     from rooflm.engine.engine import resolve_device, resolve_dtype
     from rooflm.llm import LLM
     from rooflm.roofline.live import roofline_summary
@@ -61,9 +77,15 @@ def run(args: argparse.Namespace) -> int:
     N, L_in, L_out = args.num_prompts, args.input_len, args.output_len
     if min(N, L_in, L_out) < 1:
         raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
+    check_output_args(args)
+    check_lengths(args)
+    note(f"measuring this machine's ceilings ({device.type})")
     ceilings = measure_ceilings(device, dtype)
     seqs = min(args.max_num_seqs, N)
     kv_bytes = kv_cache_bytes(args, dtype, seqs * (L_in + L_out))
+    # the roofline of N requests at once bounds the time of N requests batched continuously up to seqs
+    preflight(args, device, ceilings, seqs, kv_bytes, -(-N // seqs))
+    note(f"loading {args.model}")
     t0 = time.perf_counter()
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
               max_model_len=L_in + L_out, kv_cache_memory=kv_bytes, max_num_seqs=seqs,
@@ -78,12 +100,14 @@ def run(args: argparse.Namespace) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(0, cfg.vocab_size, (N, L_in), generator=gen).tolist()
     warm = torch.randint(0, cfg.vocab_size, (min(N, 8), L_in), generator=gen).tolist()
+    note("warm-up")
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    note(f"{N} requests")
 
     params = SamplingParams(temperature=0, max_tokens=L_out, ignore_eos=True)
     before = copy.copy(engine.get_stats())  # the live roofline of the timed call only
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty() if args.progress is None else args.progress)
     elapsed = time.perf_counter() - t0
     live = roofline_summary(engine.get_stats(), since=before)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -109,28 +133,12 @@ def run(args: argparse.Namespace) -> int:
                      "requests_per_s": len(sub) / total, "output_tok_s": hf_out / total}
         res["speedup_output_tok_s"] = res["output_tok_s"] / res["hf"]["output_tok_s"]
         del hf
-    _print(res)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+    with report_stream(args):
+        _print(res)
+    write_outputs(args, res)
     return 0
 
 
 def _print(res: dict) -> None:
-    from rooflm.roofline.live import roofline_line
-
-    c = res["ceilings"]
-    print(f"rooflm bench throughput: {res['model']} {res['dtype']} {res['num_prompts']} prompts x "
-          f"({res['input_len']} in, {res['output_len']} out), max_num_seqs={res['max_num_seqs']}, on {c['device']} "
-          f"(CUDA graphs {'on' if res['cuda_graphs'] else 'off'})")
-    print(f"  {res['requests_per_s']:.2f} requests/s, {res['output_tok_s']:.0f} output tokens/s, "
-          f"{res['total_tok_s']:.0f} total tokens/s ({res['elapsed_s']:.1f} s; "
-          f"engine init {res['engine_init_s']:.1f} s)")
-    line = roofline_line(res.get("live_roofline"))
-    if line:
-        print(f"  {line}")
-    if "hf" in res:
-        h = res["hf"]
-        print(f"  transformers generate ({h['num_prompts']} prompts, batches of {h['batch_size']}): "
-              f"{h['requests_per_s']:.2f} requests/s, {h['output_tok_s']:.0f} output tokens/s; "
-              f"speed-up {res['speedup_output_tok_s']:.1f}x")
+    for line in throughput_lines(res):
+        print(line)

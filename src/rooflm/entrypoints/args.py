@@ -10,15 +10,38 @@ import typing
 _HELP = {
     "model": "a GGUF file, a Hugging Face checkpoint folder or a named config (default: embedded SmolLM2-135M-Instruct)",
     "load_format": "auto | safetensors | gguf | dummy (random weights from the config)",
-    "dtype": "auto | float32 | float16 | bfloat16",
-    "kv_cache_memory": "bytes for the KV-cache pool (suffixes K, M, G accepted)",
+    "dtype": "auto (float32 on the CPU, bfloat16 on CUDA) | float32 | float16 | bfloat16",
+    "device": "auto (cuda when available) | cpu | cuda | cuda:N",
+    "tokenizer": "tokenizer folder or file (default: the model's own)",
+    "max_model_len": "longest prompt + output in tokens (default: the model's max positions, at most 2048 on the CPU "
+                     "and 8192 on CUDA)",
+    "kv_cache_memory": "bytes for the KV-cache pool, suffixes K, M, G accepted (default: 512M on the CPU; on CUDA "
+                       "what --gpu-memory-utilization leaves after the weights and the activation peak)",
     "kv_cache_dtype": "auto (the model's dtype) | int8 | fp8: a quantized KV cache holds about twice the tokens",
+    "block_size": "tokens per KV-cache block (the paging granularity)",
     "max_num_batched_tokens": "token budget of one engine step (chunked prefill)",
-    "async_scheduling": "schedule step N+1 while step N runs on the GPU (auto: on for CUDA, off on the CPU)",
+    "max_num_seqs": "sequences decoded together at most",
+    "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before",
+    "num_gpu_blocks_override": "use exactly this many KV-cache blocks (default: sized from the memory)",
+    "seed": "seed of random weights and of requests without their own seed",
+    "enforce_eager": "no CUDA graphs (every step launches its kernels one by one)",
+    "attention_backend": "auto (follows --ops) | torch (reference) | triton | cpu",
+    "ops": "auto | native | triton | cpu: which implementation each operator uses",
+    "show_progress": "show a progress bar while the weights load",
+    "async_scheduling": "schedule step N+1 while step N runs on the GPU (default: on for CUDA, off on the CPU)",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV pool",
+    "speculative_config": "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+                          "(default: off)",
+    "scheduling_policy": "fcfs | priority | mlfq | fair: admission and preemption order (docs/scheduling.md)",
+    "mlfq_num_levels": "mlfq: number of priority levels",
+    "mlfq_quantum": "mlfq: generated tokens of the top level's quantum (doubling per level)",
+    "mlfq_skip_join_tokens": "mlfq: the longest prompt that joins the top level (one level lower per doubling)",
+    "mlfq_starvation_steps": "mlfq: scheduler steps a waiting request waits before it is promoted to the top level",
+    "fair_input_weight": "fair: cost of one prompt token in the virtual token counter",
+    "fair_output_weight": "fair: cost of one generated token in the virtual token counter",
     # rooflm.quantization.config.QUANTIZATION_METHODS, written out so that --help does not import torch
     "quantization": "none | w8a16 | w4a16 | gptq | awq | gguf | fp8: how the projection weights are stored and "
-                    "multiplied; unset: what the checkpoint holds (float, GPTQ/AWQ, a GGUF file kept quantized)",
+                    "multiplied (default: what the checkpoint holds: float, GPTQ/AWQ, a GGUF file kept quantized)",
     "data_parallel_size": "engine replicas behind the server, each with its own weights and KV cache (on CUDA one "
                           "per device); requests go to the least loaded, or to the one caching their prefix",
 }
@@ -56,7 +79,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
         kind = {int: int, float: float, str: str, bool: _bool}.get(base, str)
         if f.name == "kv_cache_memory":
             kind = parse_bytes
-        help_text = _HELP.get(f.name, "") + f" (default: {default})"
+        help_text = _HELP.get(f.name, "")  # a field without help fails the CLI's help test
+        if default is not None and "default" not in help_text:
+            help_text += f" (default: {default})"
         if base is bool:
             parser.add_argument(flag, type=_bool, nargs="?", const=True, default=default, help=help_text)
             # vLLM's negation: --no-enable-prefix-caching is --enable-prefix-caching false
@@ -163,8 +188,32 @@ def probe_threads(cpus: int) -> int:
     return chosen
 
 
+def check_max_model_len(args: argparse.Namespace) -> None:
+    """``--max-model-len`` against the model's max positions, read from its config (a named config, config.json or
+    the GGUF header) before any weight loads; the engine checks again once the model is built."""
+    value = getattr(args, "max_model_len", None)
+    if value is None:
+        return
+    if value < 1:
+        raise ValueError(f"--max-model-len {value}: must be >= 1")
+    from rooflm.config import load_model_config
+
+    model = args.model
+    if model is None:
+        from rooflm.loader.default_model import default_model_path
+
+        model = default_model_path()
+    try:
+        limit = load_model_config(model).max_position_embeddings
+    except (ValueError, OSError):  # a model that cannot be read: the engine says why when it loads
+        return
+    if value > limit:
+        raise ValueError(f"--max-model-len {value}: must be <= {limit}, the max positions of {model}")
+
+
 def engine_config_from_args(args: argparse.Namespace):
     from rooflm.config import EngineConfig
 
+    check_max_model_len(args)
     set_compute_threads(getattr(args, "threads", None))
     return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})

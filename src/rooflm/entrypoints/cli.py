@@ -11,34 +11,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="complete prompts with continuous batching")
     add_engine_args(p)
     _add_sampling_args(p)
-    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompts, one batch (quote each one)")
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("chat", help="chat interactively with the model (tokens stream as they come)")
     add_engine_args(p)
     _add_sampling_args(p, max_tokens=256, temperature=0.7)
-    p.add_argument("--system", default=None, help="a system prompt")
+    p.add_argument("--system", default=None, help="a system prompt (default: none)")
     p.set_defaults(func=_chat)
 
     p = sub.add_parser("demo", help="a few dozen prompts through continuous batching, one streamed, then a report")
     add_engine_args(p)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--num-prompts", type=int, default=32, help="prompts run together")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens generated per prompt at most")
     p.set_defaults(func=_demo)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 64, temperature: float = 0.0) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=temperature)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=temperature, help="0: greedy; higher: more random")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: smallest set of tokens with this much probability (1: off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than min-p times the most likely one (0: off)")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens generated per prompt at most")
     g.add_argument("--sample-seed", dest="sampling_seed", type=int, default=None,
-                   help="seed of each request's sampling (--seed seeds the engine)")
-    g.add_argument("--n", type=int, default=1)
-    g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+                   help="seed of each request's sampling (default: none, random; --seed seeds the engine)")
+    g.add_argument("--n", type=int, default=1, help="completions per prompt")
+    g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable; default: none)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide the logits of tokens seen before by this (1: off)")
 
 
 def _sampling_params(args: argparse.Namespace):

@@ -84,14 +84,17 @@ def run_demo(args: argparse.Namespace) -> int:
              for o in outs if len(o.outputs[0].token_ids) > 1]
     for o in outs[1:4]:
         print(f"[{o.request_id}] {o.outputs[0].text.strip()[:160]!r}")
+    from rooflm.units import duration, tok_rate
+
     rows = [
         ("requests", f"{len(outs)}"),
         ("prompt tokens", f"{prompt_tokens}"),
         ("generated tokens", f"{gen_tokens}"),
-        ("wall time", f"{wall:.2f} s"),
-        ("throughput", f"{gen_tokens / wall:.1f} generated tokens/s, {(prompt_tokens + gen_tokens) / wall:.1f} total"),
-        ("mean TTFT", f"{1000 * sum(ttfts) / len(ttfts):.0f} ms"),
-        ("mean TPOT", f"{1000 * sum(tpots) / max(len(tpots), 1):.1f} ms"),
+        ("wall time", duration(wall)),
+        ("throughput", f"{tok_rate(gen_tokens / wall)} generated, {tok_rate((prompt_tokens + gen_tokens) / wall)} "
+                       "total"),
+        ("mean TTFT", duration(sum(ttfts) / len(ttfts))),
+        ("mean TPOT", duration(sum(tpots) / max(len(tpots), 1))),
     ]
     print_report(rows, stats)
     return 0

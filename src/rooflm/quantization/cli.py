@@ -36,14 +36,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "public-domain King James Bible excerpt shipped with rooflm).")
     p.add_argument("model", metavar="MODEL", help="a HF checkpoint folder, a .gguf file (dequantized to float first) "
                                                   "or a named config (random weights)")
-    p.add_argument("--method", choices=("rtn", "awq", "gptq"), default="gptq")
-    p.add_argument("--bits", type=int, choices=(4, 8), default=4)
+    p.add_argument("--method", choices=("rtn", "awq", "gptq"), default="gptq",
+                   help="rtn (round to nearest), awq (Lin et al. 2024) or gptq (Frantar et al. 2023)")
+    p.add_argument("--bits", type=int, choices=(4, 8), default=4, help="bits per weight")
     p.add_argument("--group-size", type=_group_size, default=None,
                    help="input columns per scale (default: 128, or the largest power of two below it that divides "
                         "every projection); -1: one scale per output channel")
     p.add_argument("--desc-act", action="store_true", help="GPTQ act-order: quantize columns by decreasing Hessian "
                                                             "diagonal")
-    p.add_argument("--calib", default=None, metavar="FILE", help="calibration text file")
+    p.add_argument("--calib", default=None, metavar="FILE",
+                   help="calibration text file (default: the shipped King James Bible excerpt)")
     p.add_argument("--num-samples", type=_positive("--num-samples"), default=16, help="calibration windows")
     p.add_argument("--seq-len", type=_positive("--seq-len"), default=256, help="tokens per calibration window")
     p.add_argument("--format", dest="fmt", choices=("gptq", "awq"), default=None,
@@ -52,8 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="GPTQ zero-point convention: gptq stores z - 1 (what every loader reads), gptq_v2 stores z")
     p.add_argument("--threads", type=_positive("--threads"), default=None,
                    help="CPU threads (default: the cores the 1-minute load average leaves idle, at least 1)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of random weights (named configs) and of the calibration's row sampling")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder to write the quantized checkpoint to")
     p.set_defaults(func=_quantize)
 
 

@@ -78,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.model:
         raise ValueError("model is missing: expected a named config (e.g. llama-2-7b), a config.json, a checkpoint "
                          "folder or a .gguf file")
+    if args.json == "-" and args.csv == "-":
+        raise ValueError("--json and --csv both to stdout: only one format can go there; give the other a file")
     batches = _int_list("batch", args.batch)
     input_lens = _int_list("input_len", args.input_len)
     w_bits_list = [w.strip() for w in str(args.w_bits).split(",") if w.strip()]
@@ -86,8 +88,10 @@ def run(args: argparse.Namespace) -> int:
         from rooflm.roofline.measure import measure_hardware
 
         hw = measure_hardware()
-        print(f"measured {hw.name}: {hw.memory_bandwidth / 1e9:.1f} GB/s, "
-              + ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in hw.peak_ops.items()), file=sys.stderr)
+        from rooflm.units import bandwidth, flop_rate
+
+        print(f"{hw.name}: {bandwidth(hw.memory_bandwidth)}, "
+              + ", ".join(f"{k} {flop_rate(v)}" for k, v in hw.peak_ops.items()), file=sys.stderr)
     else:
         hw = get_hardware(args.hardware, args.device_file)
 

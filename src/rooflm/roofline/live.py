@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from rooflm.roofline.analyzer import _Ctx
-from rooflm.roofline.hardware import GB, TERA, Hardware, get_hardware
+from rooflm.roofline.hardware import Hardware, get_hardware
 from rooflm.roofline.ops import Counting, Dims, OpCount, attention_ops, block_ops, causal_pairs, model_ops
 from rooflm.roofline.precision import Format, Precision, compute_key
 
@@ -282,13 +282,13 @@ class LiveRoofline:
         return self.predicted_s / self.measured_s if self.num_steps else None
 
     def describe_hardware(self) -> str:
-        """E.g. ``NVIDIA H200 measured: 4.2 TB/s, 760 TFLOP/s`` (the matmul peak the linear layers run at)."""
+        """E.g. ``NVIDIA H200 measured: 4.20 TB/s, 760 TFLOP/s`` (the matmul peak the linear layers run at)."""
         hw, p = self.hardware, self._x.p
         peak = hw.peak(compute_key(p.weight, p.act, hw.peak_ops))
         how = "measured" if hw.kind == "measured" else "datasheet"
-        bw = hw.memory_bandwidth
-        bw_text = f"{bw / (1000 * GB):.3g} TB/s" if bw >= 1000 * GB else f"{bw / GB:.3g} GB/s"
-        return f"{hw.name} {how}: {bw_text}, {peak / TERA:.3g} TFLOP/s"
+        from rooflm.units import bandwidth, flop_rate
+
+        return f"{hw.name} {how}: {bandwidth(hw.memory_bandwidth)}, {flop_rate(peak)}"
 
     def fill_stats(self, stats: "EngineStats") -> None:
         """Copy the running figures into ``stats`` (immutable values: snapshots copied with copy.copy stay valid)."""

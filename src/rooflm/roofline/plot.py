@@ -25,8 +25,9 @@ def _plt():
     return plt
 
 
-def plot_roofline(r: AnalysisResult, path: str) -> str:
-    """Log-log roofline: memory roof (bandwidth · intensity) up to each compute ceiling used; operators as points."""
+def roofline_figure(r: AnalysisResult):
+    """The log-log roofline figure: memory roof (bandwidth · intensity) up to each compute ceiling used; operators as
+    points, one label per position (operators at the same point share it), placed so that no two labels overlap."""
     plt = _plt()
     hw = r.hardware
     fig, ax = plt.subplots(figsize=(8, 5.5))
@@ -37,21 +38,87 @@ def plot_roofline(r: AnalysisResult, path: str) -> str:
         peak = hw.peak(key)
         ridge = peak / hw.memory_bandwidth
         ax.plot([lo, ridge, hi], [lo * hw.memory_bandwidth, peak, peak], lw=1.5, label=f"roof {key} ({peak / 1e12:g}T)")
+    points: dict[tuple[float, float], list[str]] = defaultdict(list)
     for stage, marker in (("prefill", "o"), ("decode", "^")):
         pts = [x for x in recs if x.stage == stage]
         ax.scatter([x.arithmetic_intensity for x in pts], [x.performance for x in pts], marker=marker, s=28,
                    label=stage, zorder=3)
         for x in pts:
-            ax.annotate(x.name, (x.arithmetic_intensity, x.performance), fontsize=6, xytext=(3, 2),
-                        textcoords="offset points")
+            names = points[(x.arithmetic_intensity, x.performance)]
+            if x.name not in names:
+                names.append(x.name)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (OPs/byte)")
     ax.set_ylabel("attainable performance (OPs/s)")
     ax.set_title(f"{r.model} on {hw.name}: batch {r.settings['batch']}, prompt {r.settings['input_len']}")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
+    place_labels(ax, [(x, y, ", ".join(names)) for (x, y), names in points.items()])
+    return fig
+
+
+def _overlaps(a: tuple[float, float, float, float], b: tuple[float, float, float, float]) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def _within(a: tuple[float, float, float, float], frame: tuple[float, float, float, float]) -> bool:
+    return a[0] >= frame[0] and a[1] >= frame[1] and a[2] <= frame[2] and a[3] <= frame[3]
+
+
+def place_labels(ax, labels: Sequence[tuple[float, float, str]], fontsize: float = 6, pad: float = 1.0) -> list:
+    """Annotate each (x, y, text) near its point without two labels overlapping: each label takes the first free spot
+    among right/left of its point and then ever further above and below it (a leader line joins a displaced label to
+    its point). Greedy, in the order of the points' x (then y), which keeps labels near their points on a roofline,
+    where points spread along the intensity axis. Returns the annotations."""
+    fig = ax.figure
+    fig.canvas.draw()  # the axes' final transform and a renderer to measure text with
+    renderer = fig.canvas.get_renderer()
+    px_per_pt = fig.dpi / 72.0
+    gap = 2 * px_per_pt
+    frame = tuple(ax.get_window_extent(renderer).extents)
+    placed: list[tuple[float, float, float, float]] = []
+    annotations = []
+    for x, y, text in sorted(labels, key=lambda t: (t[0], t[1])):
+        probe = ax.text(0, 0, text, fontsize=fontsize)
+        box = probe.get_window_extent(renderer)
+        probe.remove()
+        w, h = box.width + pad, box.height + pad
+        px, py = ax.transData.transform((x, y))
+        chosen = None
+        for inside in (True, False):  # inside the axes if there is room, anywhere otherwise
+            for ring in range(500):
+                step = ring * (h + gap)
+                for dx, dy in ((gap, gap + step), (gap, -h - gap - step), (-w - gap, gap + step),
+                               (-w - gap, -h - gap - step)):
+                    cand = (px + dx, py + dy, px + dx + w, py + dy + h)
+                    if inside and not _within(cand, frame):
+                        continue
+                    # a word's width apart sideways, so two labels on one row do not read as one
+                    wide = (cand[0] - 3 * gap, cand[1], cand[2] + 3 * gap, cand[3])
+                    if not any(_overlaps(wide, other) for other in placed):
+                        chosen = (dx, dy, cand)
+                        break
+                if chosen:
+                    break
+            if chosen:
+                break
+        if chosen is None:
+            raise ValueError(f"no free spot for the label {text!r} within 500 rows of its point")
+        dx, dy, cand = chosen
+        placed.append(cand)
+        far = abs(dy) > h + 2 * gap  # displaced: a leader line shows which point the label names
+        annotations.append(ax.annotate(
+            text, (x, y), fontsize=fontsize, xytext=(dx / px_per_pt, dy / px_per_pt), textcoords="offset points",
+            ha="left", va="bottom",
+            arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5", shrinkA=0, shrinkB=2) if far else None))
+    return annotations
+
+
+def plot_roofline(r: AnalysisResult, path: str) -> str:
+    plt = _plt()
+    fig = roofline_figure(r)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -7,6 +7,7 @@ import json
 from typing import Sequence
 
 from rooflm.roofline.records import AnalysisResult, LayerRecord, StageResult, Totals
+from rooflm.units import bandwidth, duration, flop_rate, tok_rate
 
 _SI = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K"))
 
@@ -22,15 +23,8 @@ def si(x: float, digits: int = 3) -> str:
 
 
 def seconds(t: float) -> str:
-    if t == 0:
-        return "0"
-    if t >= 1:
-        return f"{t:.3g} s"
-    if t >= 1e-3:
-        return f"{t * 1e3:.3g} ms"
-    if t >= 1e-6:
-        return f"{t * 1e6:.3g} us"
-    return f"{t * 1e9:.3g} ns"
+    """A time in the unit that suits it (``rooflm.units.duration``); an operator that takes none is ``0``."""
+    return "0" if t == 0 else duration(t)
 
 
 def gib(b: float) -> str:
@@ -67,10 +61,9 @@ def stage_table(s: StageResult, layers: int) -> str:
 
 def text_report(r: AnalysisResult) -> str:
     st, hw, m, q = r.settings, r.hardware, r.memory, r.request
-    bw = hw.memory_bandwidth / 1e9
-    peaks = ", ".join(f"{k} {v / 1e12:.4g}T" for k, v in hw.peak_ops.items())
+    peaks = ", ".join(f"{k} {flop_rate(v)}" for k, v in hw.peak_ops.items())
     out = [
-        f"Roofline of {r.model} on {hw.name} ({bw:.4g} GB/s; peaks {peaks})",
+        f"Roofline of {r.model} on {hw.name} ({bandwidth(hw.memory_bandwidth)}; peaks {peaks})",
         f"  W{st['w_bits']} A{st['a_bits']} KV{st['kv_bits']}, flash attention {'on' if st['flash_attention'] else 'off'}"
         f", tp {st['tp']}" + (" (figures per GPU)" if st["tp"] > 1 else ""),
         "",
@@ -82,8 +75,8 @@ def text_report(r: AnalysisResult) -> str:
         f"{q.batch}) + peak activations {gib(m.peak_activation)} = {gib(m.total)} of {gib(m.device_memory)}: "
         + ("fits" if m.fits else "DOES NOT FIT"),
         f"Request ({q.batch} x {q.input_len} prompt + {q.output_len} generated): TTFT {seconds(q.ttft_s)}, "
-        f"TPOT {seconds(q.tpot_s)}, end-to-end {seconds(q.e2e_s)}, {q.throughput_tok_s:.4g} tok/s "
-        f"(decode {q.decode_tok_s:.4g} tok/s, prefill {q.prefill_tok_s:.4g} tok/s)",
+        f"TPOT {seconds(q.tpot_s)}, end-to-end {seconds(q.e2e_s)}, {tok_rate(q.throughput_tok_s)} "
+        f"(decode {tok_rate(q.decode_tok_s)}, prefill {tok_rate(q.prefill_tok_s)})",
     ]
     if r.prefill.totals.dequant_ops or r.decode.totals.dequant_ops:
         out.append(f"Dequantization (not in OPs): prefill {si(r.prefill.totals.dequant_ops)}, decode step "
@@ -102,7 +95,7 @@ def sweep_table(results: Sequence[AnalysisResult]) -> str:
         q, m = r.request, r.memory
         rows.append([r.settings["w_bits"], str(q.batch), str(q.input_len), seconds(r.prefill_time_s),
                      seconds(r.decode_step_time_s), seconds(q.ttft_s), seconds(q.tpot_s), seconds(q.e2e_s),
-                     f"{q.throughput_tok_s:.4g}", gib(m.total), "yes" if m.fits else "NO", r.prefill.totals.bound,
+                     tok_rate(q.throughput_tok_s).removesuffix(" tok/s"), gib(m.total), "yes" if m.fits else "NO", r.prefill.totals.bound,
                      r.decode.totals.bound])
     first = results[0]
     head = (f"Sweep of {first.model} on {first.hardware.name}: A{first.settings['a_bits']} "

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--limit-concurrency", type=int, default=None,
                    help="most connections and requests at once; beyond, requests get 503 (default: no limit)")
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
-                   help="(default: info)")
+                   help="uvicorn's log level")
 
 
 def _port(text: str) -> int:

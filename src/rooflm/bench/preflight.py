@@ -1,0 +1,97 @@
+"""What a benchmark will cost, said before anything loads: the memory the weights and the KV pool take and the time
+the roofline predicts on this machine's measured ceilings, from the model's config alone (``rooflm.roofline``).
+
+A run that cannot fit the free memory is refused; one the roofline predicts to take longer than ``LONG_RUN_S`` (a
+7B model on a CPU: minutes per iteration) needs ``--yes``. The roofline's time is a lower bound, so a refused run
+would have taken at least that long. Progress notes go to stderr, so stdout keeps the report (or the JSON/CSV)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+from rooflm.units import duration, size
+
+LONG_RUN_S = 300.0
+
+
+def note(message: str) -> None:
+    """A progress message on stderr (model init, warm-up): the user sees why nothing happens yet."""
+    print(f"[rooflm bench] {message}", file=sys.stderr, flush=True)
+
+
+def add_yes_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--yes", action="store_true",
+                   help=f"run even when the roofline predicts more than {LONG_RUN_S:.0f} s for the whole benchmark")
+
+
+def available_memory(device_type: str) -> int | None:
+    """Bytes free for a new model: MemAvailable on the CPU (Linux), the free device memory on CUDA; None: unknown."""
+    if device_type == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@dataclass
+class Estimate:
+    weights_bytes: float
+    kv_bytes: float
+    tpot_s: float  # best possible time per output token of the batch (roofline on the measured ceilings)
+    run_s: float  # best possible time of every iteration (warm-up included)
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.weights_bytes + self.kv_bytes
+
+
+_QUANT_BITS = {"w8a16": "8", "w4a16": "4", "gptq": "4", "awq": "4", "fp8": "fp8"}
+
+
+def weight_bits(dtype: str, quantization: str | None) -> str:
+    """The analyzer's weight format of a run: the quantization's bits, else the dtype's."""
+    return _QUANT_BITS.get(quantization or "", {"float32": "32", "bfloat16": "bf16"}.get(dtype, "16"))
+
+
+def estimate(cfg, ceilings: dict, w_bits: str, batch: int, input_len: int, output_len: int, iterations: int,
+             kv_bytes: float) -> Estimate | None:
+    """The run's memory and best-possible time; None when the roofline cannot model the architecture."""
+    from rooflm.bench.latency import roofline_bounds
+
+    try:
+        b = roofline_bounds(cfg, ceilings, batch, input_len, output_len, w_bits=w_bits)
+    except (ValueError, KeyError, NotImplementedError):
+        return None
+    if b is None:
+        return None
+    one = b["ttft_s"] + max(0, output_len - 1) * b["tpot_s"]
+    return Estimate(b["weights_bytes"], kv_bytes, b["tpot_s"], one * iterations)
+
+
+def check(est: Estimate | None, available: int | None, yes: bool, model: str) -> None:
+    """Say what the run costs; refuse (ValueError naming --model) a run that cannot fit, or a long one without
+    ``--yes``."""
+    if est is None:
+        return
+    note(f"{model}: weights {size(est.weights_bytes)} + KV cache {size(est.kv_bytes)}; the roofline predicts "
+         f"TPOT >= {duration(est.tpot_s)} and >= {duration(est.run_s)} for every iteration here")
+    if available is not None and est.memory_bytes > available:
+        raise ValueError(f"--model {model}: needs about {size(est.memory_bytes)} (weights {size(est.weights_bytes)} "
+                         f"+ KV cache {size(est.kv_bytes)}) but {size(available)} is free; pick a smaller model, "
+                         "--dtype or --quantization")
+    if est.run_s > LONG_RUN_S and not yes:
+        raise ValueError(f"--model {model}: the roofline predicts at least {duration(est.run_s)} for this benchmark "
+                         f"on this machine (TPOT >= {duration(est.tpot_s)}); pass --yes to run it anyway")
