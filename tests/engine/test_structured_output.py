@@ -123,3 +123,22 @@ def test_grammar_requests_get_no_draft_tokens():
         r.all_token_ids.append(4)
         r.num_computed_tokens = r.num_tokens - 1
     assert eligible(plain) and not eligible(req)
+
+
+def test_offline_chat_with_tools_and_a_forced_call(make_engine):
+    from rooflm.llm import LLM
+    from rooflm.structured.tools import forced_call_grammar, parse_tool_calls
+
+    params_schema = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,10}$"}},
+                     "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params_schema}}]
+    llm = LLM.from_engine(make_engine())
+    ids = llm.apply_chat_template([{"role": "user", "content": "Weather in Oslo?"}], tools=tools)
+    assert '"name": "get_weather"' in llm.get_tokenizer().decode(ids)  # the fallback section
+    forced = SamplingParams(temperature=1.0, seed=8, n=4, max_tokens=64,
+                            structured_outputs={"grammar": forced_call_grammar(tools)})
+    out = llm.chat([{"role": "user", "content": "Weather in Oslo?"}], forced, use_tqdm=False, tools=tools)[0]
+    for c in out.outputs:
+        content, calls = parse_tool_calls(c.text, {"get_weather"})
+        assert c.finish_reason == "stop" and content == "" and len(calls) == 1, c.text
+        jsonschema.validate(json.loads(calls[0].arguments), params_schema)
