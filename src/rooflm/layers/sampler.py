@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from rooflm.sampling_params import SAMPLING_EPS, SamplingParams
+from rooflm.structured.manager import apply_token_bitmask
 
 _MASK64 = (1 << 64) - 1
 
@@ -446,8 +447,6 @@ class Sampler:
         if md.logit_bias is not None:
             logits = apply_logit_bias(logits, md.logit_bias)
         if md.allowed_token_bitmask is not None:
-            from rooflm.structured.manager import apply_token_bitmask
-
             logits = apply_token_bitmask(logits, md.allowed_token_bitmask)
         if not md.no_penalties:
             logits = apply_penalties(logits, md)

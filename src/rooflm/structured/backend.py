@@ -69,8 +69,12 @@ class LLGuidanceBackend:
         self.llg = llg
         self.vocab_size = vocab_size
         # n_vocab = the model's logits width, so mask bits line up with logit columns.
-        self.tokenizer = llg.LLTokenizer(_hf_tokenizer_json(tokenizer), n_vocab=vocab_size,
-                                         eos_token=list(eos_token_ids) or None)
+        try:
+            self.tokenizer = llg.LLTokenizer(_hf_tokenizer_json(tokenizer), n_vocab=vocab_size,
+                                             eos_token=list(eos_token_ids) or None)
+        except Exception as e:  # e.g. a tokenizer with more entries than the model has logits
+            raise ValueError(f"structured_outputs: llguidance cannot use this model's tokenizer "
+                             f"({type(tokenizer).__name__}, vocab_size={vocab_size}): {e}") from None
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
 
