@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 
 from rooflm.engine.request import Request
+from rooflm.llm import LLM
 from rooflm.sampling_params import SamplingParams
 from rooflm.spec_decode.proposer import eligible
 from rooflm.structured.params import StructuredOutputsParams
@@ -39,7 +40,7 @@ def test_sampled_json_and_regex_outputs_always_follow_the_constraint(make_engine
     params = [SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=i,
                              structured_outputs={"json": SCHEMA} if i % 2 == 0 else {"regex": REGEX})
               for i in range(100)]
-    outputs = run(engine, prompts, params)
+    outputs = LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)
     texts = set()
     for i, out in enumerate(outputs):
         c = out.outputs[0]
@@ -126,7 +127,6 @@ def test_grammar_requests_get_no_draft_tokens():
 
 
 def test_offline_chat_with_tools_and_a_forced_call(make_engine):
-    from rooflm.llm import LLM
     from rooflm.structured.tools import forced_call_grammar, parse_tool_calls
 
     params_schema = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,10}$"}},

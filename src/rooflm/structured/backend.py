@@ -62,7 +62,9 @@ def _hf_tokenizer_json(tokenizer: Any) -> str:
 
 
 class LLGuidanceBackend:
-    """Owns the llguidance tokenizer of one model and an LRU cache of checked grammars."""
+    """Owns the llguidance tokenizer of one model and an LRU cache of compiled grammars: a pristine matcher per
+    constraint, which each request copies (``deep_copy`` shares the compiled grammar, so the ``n`` samples of a
+    request and repeated schemas compile once)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 256) -> None:
         llg = import_llguidance()
@@ -76,32 +78,33 @@ class LLGuidanceBackend:
             raise ValueError(f"structured_outputs: llguidance cannot use this model's tokenizer "
                              f"({type(tokenizer).__name__}, vocab_size={vocab_size}): {e}") from None
         self.cache_size = cache_size
-        self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
-    def compile(self, spec: StructuredOutputsParams) -> str:
-        """The checked grammar of ``spec``, from the cache when this constraint was seen lately. A schema, regex or
-        grammar that llguidance refuses raises ValueError naming the field and llguidance's reason."""
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        """The pristine matcher of ``spec`` (do not advance it: ``matcher`` copies it), from the cache when this
+        constraint was seen lately. A schema, regex or grammar that llguidance refuses raises ValueError naming the
+        field and llguidance's reason."""
         key = spec.key()
-        grammar = self._cache.get(key)
-        if grammar is not None:
+        pristine = self._cache.get(key)
+        if pristine is not None:
             self._cache.move_to_end(key)
-            return grammar
+            return pristine
         try:
             grammar = grammar_text(spec)
         except ValueError as e:
             raise ValueError(f"StructuredOutputsParams.{spec.kind} is invalid: {e}") from None
-        error = self.llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if error:
+        pristine = self.llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if pristine.is_error():
             raise ValueError(f"StructuredOutputsParams.{spec.kind}={getattr(spec, spec.kind)!r:.200} is invalid: "
-                             f"{error.strip()}")
-        self._cache[key] = grammar
+                             f"{pristine.get_error().strip()}")
+        self._cache[key] = pristine
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
-        return grammar
+        return pristine
 
-    def matcher(self, grammar: str) -> Any:
-        """A fresh ``llguidance.LLMatcher`` at the start of ``grammar``."""
-        return self.llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+    def matcher(self, spec: StructuredOutputsParams) -> Any:
+        """A fresh ``llguidance.LLMatcher`` at the start of ``spec``'s grammar."""
+        return self.compile(spec).deep_copy()
 
     @property
     def bitmask_words(self) -> int:

@@ -44,12 +44,12 @@ class StructuredOutputManager:
         self._failed: set[str] = set()
 
     # -- requests -------------------------------------------------------------------------------------------------------
-    def compile(self, spec: StructuredOutputsParams) -> str:
-        """Check ``spec`` (ValueError naming the field when the backend refuses it); cached."""
-        return self.backend.compile(spec)
+    def compile(self, spec: StructuredOutputsParams) -> None:
+        """Check ``spec`` (ValueError naming the field when the backend refuses it); the grammar is cached."""
+        self.backend.compile(spec)
 
     def add_request(self, req_id: str, spec: StructuredOutputsParams) -> None:
-        self.matchers[req_id] = self.backend.matcher(self.compile(spec))
+        self.matchers[req_id] = self.backend.matcher(spec)
 
     def remove(self, req_ids: Iterable[str]) -> None:
         for rid in req_ids:
