@@ -101,7 +101,8 @@ def test_async_scheduling_gives_the_synchronous_outputs(make_engine, smol):
 def test_min_tokens_does_not_fight_the_grammar(make_engine, smol):
     """min_tokens beyond the grammar's length: the grammar decides when the output ends (no NaN, no stray token)."""
     out = run(make_engine(), _prompts(smol[2], 1),
-              SamplingParams(temperature=1.0, seed=1, min_tokens=6, max_tokens=8, structured_outputs={"choice": ["no"]}))
+              SamplingParams(temperature=1.0, seed=1, min_tokens=6, max_tokens=8,
+                             structured_outputs={"choice": ["no"]}))
     assert out[0].outputs[0].text == "no" and out[0].outputs[0].finish_reason == "stop"
 
 

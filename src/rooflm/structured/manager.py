@@ -43,7 +43,7 @@ class StructuredOutputManager:
         self.matchers: dict[str, Any] = {}
         self._failed: set[str] = set()
 
-    # -- requests -------------------------------------------------------------------------------------------------------
+    # -- requests ----------------------------------------------------------------------------------------------------
     def compile(self, spec: StructuredOutputsParams) -> None:
         """Check ``spec`` (ValueError naming the field when the backend refuses it); the grammar is cached."""
         self.backend.compile(spec)
@@ -62,7 +62,7 @@ class StructuredOutputManager:
     def __len__(self) -> int:
         return len(self.matchers)
 
-    # -- one step -------------------------------------------------------------------------------------------------------
+    # -- one step ----------------------------------------------------------------------------------------------------
     def fill_bitmask(self, req_ids: Sequence[str]) -> torch.Tensor:
         """[len(req_ids), ceil(V / 32)] int32 host tensor (pinned on CUDA): the tokens each request may sample next."""
         words = self.backend.bitmask_words
