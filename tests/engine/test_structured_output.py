@@ -143,3 +143,21 @@ def test_offline_chat_with_tools_and_a_forced_call(make_engine):
         content, calls = parse_tool_calls(c.text, {"get_weather"})
         assert c.finish_reason == "stop" and content == "" and len(calls) == 1, c.text
         jsonschema.validate(json.loads(calls[0].arguments), params_schema)
+
+
+def test_preempted_grammar_requests_resume_where_they_were(make_engine, smol):
+    """A KV pool too small for the batch preempts requests mid-output; each keeps its matcher and ends as it does
+    with room to spare (greedy)."""
+    prompts = _prompts(smol[2], 6)
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs={"json": SCHEMA}),
+              SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs={"regex": REGEX})] * 3
+    roomy = run(make_engine(), prompts, params)
+    tight = make_engine(num_gpu_blocks_override=10, max_model_len=160, enable_prefix_caching=False)
+    squeezed = run(tight, prompts, params)
+    assert tight.scheduler.num_preemptions > 0
+    assert tokens(squeezed) == tokens(roomy)
+    for i, o in enumerate(squeezed):
+        if i % 2 == 0:
+            jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+        else:
+            assert re.fullmatch(REGEX, o.outputs[0].text)

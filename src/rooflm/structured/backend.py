@@ -78,6 +78,7 @@ class LLGuidanceBackend:
             raise ValueError(f"structured_outputs: llguidance cannot use this model's tokenizer "
                              f"({type(tokenizer).__name__}, vocab_size={vocab_size}): {e}") from None
         self.cache_size = cache_size
+        self.executor: Any = None  # llguidance's thread pool for the masks of a batch, made on first use
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
@@ -105,6 +106,18 @@ class LLGuidanceBackend:
     def matcher(self, spec: StructuredOutputsParams) -> Any:
         """A fresh ``llguidance.LLMatcher`` at the start of ``spec``'s grammar."""
         return self.compile(spec).deep_copy()
+
+    def fill_masks(self, matchers: Sequence[tuple[Any, int]], bitmask: Any) -> None:
+        """Write the allowed-token mask of each (matcher, row) into the rows of ``bitmask`` (a C-contiguous
+        [rows, bitmask_words] int32 host tensor). Several matchers are computed in parallel on llguidance's threads."""
+        row_bytes = self.bitmask_words * 4
+        if len(matchers) == 1:
+            m, row = matchers[0]
+            m.unsafe_compute_mask_ptr(bitmask.data_ptr() + row * row_bytes, row_bytes)
+        elif matchers:
+            if self.executor is None:
+                self.executor = self.llg.LLExecutor()
+            self.executor.unsafe_compute_mask_ptr(list(matchers), bitmask.data_ptr(), row_bytes, bitmask.shape[0])
 
     @property
     def bitmask_words(self) -> int:

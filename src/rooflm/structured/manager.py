@@ -65,15 +65,15 @@ class StructuredOutputManager:
     # -- one step ----------------------------------------------------------------------------------------------------
     def fill_bitmask(self, req_ids: Sequence[str]) -> torch.Tensor:
         """[len(req_ids), ceil(V / 32)] int32 host tensor (pinned on CUDA): the tokens each request may sample next."""
-        words = self.backend.bitmask_words
-        mask = torch.zeros(len(req_ids), words, dtype=torch.int32, pin_memory=self.pin_memory)
-        row_bytes = words * 4
+        mask = torch.zeros(len(req_ids), self.backend.bitmask_words, dtype=torch.int32, pin_memory=self.pin_memory)
+        healthy = []
         for i, rid in enumerate(req_ids):
             m = self.matchers[rid]
             if rid in self._failed or m.is_error():
                 self._allow_only_eos(mask[i])
-                continue
-            m.unsafe_compute_mask_ptr(mask[i].data_ptr(), row_bytes)
+            else:
+                healthy.append((m, i))
+        self.backend.fill_masks(healthy, mask)
         return mask
 
     def _allow_only_eos(self, row: torch.Tensor) -> None:
