@@ -135,7 +135,7 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule
 
 
 class FunctionDefinition(_Strict):
