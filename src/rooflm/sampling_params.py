@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from rooflm.structured.params import StructuredOutputsParams
+
 # A temperature below this is treated as greedy (dividing logits by it would overflow float32).
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -55,6 +57,9 @@ class SamplingParams:
     # client the "fair" policy accounts service to (OpenAI's ``user`` field).
     priority: int = 0
     user: str | None = None
+    # Constrained decoding (vLLM's name): a JSON schema, any JSON object, a regex, a choice or a grammar. A dict of
+    # StructuredOutputsParams' fields is accepted and converted.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Container types are checked before normalising, so a bad type is a ValueError, not a TypeError.
@@ -77,6 +82,7 @@ class SamplingParams:
                 _fail("logit_bias", self.logit_bias, f"None or a dict of token id -> bias in [{-MAX_LOGIT_BIAS:g}, "
                       f"{MAX_LOGIT_BIAS:g}]")
             self.logit_bias = dict(self.logit_bias) or None
+        self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
         if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -126,6 +132,9 @@ class SamplingParams:
             v = getattr(self, name)
             if not isinstance(v, bool):
                 _fail(name, v, "True or False")
+        if self.ignore_eos and self.structured_outputs is not None:
+            # A finished grammar allows only EOS: ignoring it would leave no valid token to sample.
+            _fail("ignore_eos", True, "False with structured_outputs (the output ends when the grammar does)")
 
     @property
     def greedy(self) -> bool:

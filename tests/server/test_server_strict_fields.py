@@ -44,16 +44,27 @@ def test_documented_no_op_fields_are_accepted(shared_fake_server: FakeServer):
         assert_error(c.post("/v1/completions", json={**COMPLETION, "store": True}), 400, "store")
 
 
-def test_features_this_server_lacks_are_400_not_ignored(shared_fake_server: FakeServer):
+def test_malformed_structured_output_and_tool_fields_are_400_naming_them(shared_fake_server: FakeServer):
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    bad = [({"response_format": {"type": "xml"}}, "response_format"),
+           ({"response_format": {"type": "json_schema"}}, "response_format"),
+           ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "response_format"),
+           ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+           ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+           ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+           ({"tools": [tool, tool]}, "tools"),
+           ({"tool_choice": "required"}, "tool_choice"),
+           ({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+           ({"tools": [tool], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+           ({"tools": [tool], "tool_choice": "sometimes"}, "tool_choice")]
     with shared_fake_server.client() as c:
-        for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
-            assert_error(c.post("/v1/chat/completions", json={**CHAT, "response_format": fmt}), 400,
-                         "response_format")
-        assert_error(c.post("/v1/chat/completions", json={**CHAT, "tools": [tool]}), 400, "tools")
-        assert_error(c.post("/v1/chat/completions", json={**CHAT, "tool_choice": "required"}), 400, "tool_choice")
+        for extra, param in bad:
+            assert_error(c.post("/v1/chat/completions", json={**CHAT, **extra}), 400, param)
+        assert_error(c.post("/v1/completions", json={**COMPLETION, "structured_outputs": {"regex": ""}}), 400,
+                     "structured_outputs")
         for ok in ({"response_format": {"type": "text"}}, {"tool_choice": "none"}, {"tools": []},
-                   {"parallel_tool_calls": False}):
+                   {"parallel_tool_calls": False}, {"response_format": {"type": "json_object"}},
+                   {"tools": [tool], "tool_choice": "none"}):
             r = c.post("/v1/chat/completions", json={**CHAT, **ok})
             assert r.status_code == 200, (ok, r.text)
 

@@ -136,6 +136,15 @@ class LLMEngine:
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float]] = deque()
         self._last_done = 0.0  # when the host last saw a step complete
         self.stats = EngineStats(num_total_blocks=num_blocks)
+        self.structured = None  # StructuredOutputManager, made when the first request with a grammar comes
+
+    def _structured_manager(self):
+        if self.structured is None:
+            from rooflm.structured.manager import StructuredOutputManager
+
+            self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                      self.eos_token_ids, pin_memory=self.device.type == "cuda")
+        return self.structured
 
     # -- set-up ---------------------------------------------------------------------------------------------------------
     def _num_blocks(self, cfg: ModelConfig) -> int:
@@ -214,6 +223,9 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary [0, {vocab})")
+        spec = params.structured_outputs
+        if spec is not None:
+            self._structured_manager().compile(spec)  # a schema / regex / grammar the backend refuses: ValueError
         arrival = arrival_time or time.monotonic()
         child_params = [params.clone(n=1) if i == 0 else params.clone(n=1, prompt_logprobs=None)
                         for i in range(params.n)]
@@ -222,6 +234,8 @@ class LLMEngine:
                                                       metrics)
         for i, (cid, cp, m) in enumerate(zip(child_ids, child_params, metrics)):
             gen = make_generator(params.seed, i, self.device) if params.seed is not None else None
+            if spec is not None:
+                self.structured.add_request(cid, spec)  # each child its own matcher
             self.scheduler.add_request(Request(cid, token_ids, cp, m, gen))
         return request_id
 
@@ -241,7 +255,10 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         request_id = str(request_id)
-        self.scheduler.finish_requests(self.output_processor.child_ids(request_id), FINISH_ABORT)
+        children = self.output_processor.child_ids(request_id)
+        self.scheduler.finish_requests(children, FINISH_ABORT)
+        if self.structured is not None:
+            self.structured.remove(children)
         self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -254,6 +271,8 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running, self.stats)
         out = self.scheduler.schedule()
+        if self.structured is not None and not out.is_empty:
+            self.structured.attach_bitmask(out)
         if not out.is_empty:
             launched = time.perf_counter()
             self._in_flight.append((out, self.runner.execute(out), launched))
@@ -272,9 +291,13 @@ class LLMEngine:
                               len(done_out.sampling_req_ids), done - max(launched, self._last_done))
         self._last_done = done
         core_outputs = self.scheduler.update_from_output(done_out, result)
+        if self.structured is not None:
+            self.structured.accept(core_outputs)
         outputs, to_stop = self.output_processor.process(core_outputs, time.monotonic())
         for child_id, stop_str in to_stop:
             self.scheduler.finish_requests([child_id], FINISH_STOP, stop_str)
+        if self.structured is not None and to_stop:
+            self.structured.remove(c for c, _ in to_stop)
         self.stats.generation_tokens_total += sum(len(o.new_token_ids) for o in core_outputs)
         return outputs
 

@@ -54,6 +54,10 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), run before the forward pass
     # req_id -> num_computed_tokens once this step has run: the context length of its attention.
     num_computed_tokens_after: dict[str, int] = field(default_factory=dict)
+    # Structured output: the sampling requests with a grammar, and their allowed-token bitmask ([G, ceil(V / 32)]
+    # int32 on the host, row i for grammar_req_ids[i]), set by ``StructuredOutputManager.attach_bitmask``.
+    grammar_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: "torch.Tensor | None" = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

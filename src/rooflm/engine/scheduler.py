@@ -125,7 +125,9 @@ class Scheduler:
             if req.spec_token_ids and num_new == 1 and budget > 1:  # a decode with draft tokens to verify
                 spec_used[req.request_id] = n_spec = min(len(req.spec_token_ids), budget - 1)
                 num_new += n_spec
-            if num_new <= 0 or (req.num_output_placeholders and self._will_finish(req)):
+            # A request with a grammar waits for its placeholder: its next mask needs the token still in flight.
+            if num_new <= 0 or (req.num_output_placeholders and (self._will_finish(req)
+                                                                 or req.params.structured_outputs is not None)):
                 i += 1
                 continue
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens,

@@ -4,7 +4,8 @@ One row per sequence sampled this step, rows in batch order. The order of operat
 
 1. logprobs of the RAW model distribution (``log_softmax`` of the incoming logits) when any row asked for them;
 2. tokens banned for this step (``min_tokens`` not reached yet: EOS / stop_token_ids) get ``-inf``, and each row's
-   ``logit_bias`` is added (OpenAI's semantics: a bias of -100 all but bans a token, +100 all but forces it);
+   ``logit_bias`` is added (OpenAI's semantics: a bias of -100 all but bans a token, +100 all but forces it); then
+   tokens a row's grammar does not allow (structured output) get ``-inf``;
 3. penalties: repetition (prompt + output tokens), then presence and frequency (output tokens);
 4. greedy rows (temperature 0, or top_k == 1) take the argmax;
 5. random rows: temperature, min_p, top_k, top_p (each filter sees the distribution renormalised after the
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from rooflm.sampling_params import SAMPLING_EPS, SamplingParams
+from rooflm.structured.manager import apply_token_bitmask
 
 _MASK64 = (1 << 64) - 1
 
@@ -104,6 +106,9 @@ class SamplingMetadata:
     any_top_k_top_p: bool = True  # some random row has top_k > 0 or top_p < 1
     # Sparse logit biases, host lists of equal length: rows, token ids and the bias added there. None: no bias.
     logit_bias: tuple[list[int], list[int], list[float]] | None = None
+    # Structured output: [N, ceil(V / 32)] int32 on the device, bit t of a row set where token t is allowed (rows
+    # without a grammar are all ones). None: no row is constrained.
+    allowed_token_bitmask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.return_logprobs is None:
@@ -441,6 +446,8 @@ class Sampler:
             logits = logits.masked_fill(token_mask(md.banned_token_ids, v, logits.device), float("-inf"))
         if md.logit_bias is not None:
             logits = apply_logit_bias(logits, md.logit_bias)
+        if md.allowed_token_bitmask is not None:
+            logits = apply_token_bitmask(logits, md.allowed_token_bitmask)
         if not md.no_penalties:
             logits = apply_penalties(logits, md)
 

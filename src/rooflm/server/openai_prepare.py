@@ -13,6 +13,8 @@ from rooflm.engine.async_engine import AsyncLLMEngine
 from rooflm.sampling_params import SamplingParams
 from rooflm.server.errors import OpenAIError, bad_request, from_value_error
 from rooflm.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from rooflm.structured import tools as tool_calls
+from rooflm.structured.params import StructuredOutputsParams
 
 
 @dataclass
@@ -30,6 +32,8 @@ class _Prepared:
     prompt_param: str = "prompt"  # the field an engine-side ValueError about the prompt names
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field: top-k per prompt position to report
     echo_only: bool = False  # max_tokens=0 with echo: one token is generated (the engine needs one) and dropped
+    structured_param: str | None = None  # the field that set the constraint (an engine ValueError names it)
+    tool_names: frozenset[str] | None = None  # functions whose calls are parsed out of the output; None: no tools
 
 
 class _RequestPreparation:
@@ -114,7 +118,8 @@ class _RequestPreparation:
         return n
 
     def _sampling_params(self, body: SamplingRequest, n: int, max_tokens: int, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+                         prompt_logprobs: int | None = None,
+                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
         top_k = body.top_k or 0
         if top_k >= self.vocab_size:  # the whole vocabulary: the same as no top-k
             top_k = 0
@@ -141,6 +146,7 @@ class _RequestPreparation:
                 logit_bias=self._logit_bias(body),
                 priority=body.priority or 0,
                 user=body.user,
+                structured_outputs=structured,
             )
         except ValueError as e:
             raise from_value_error(e, None) from None
@@ -159,6 +165,9 @@ class _RequestPreparation:
         # The engine computes prompt logprobs once, with the larger k; each field reports its own top-k.
         wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
         engine_prompt_k = max(wanted) if wanted else None
+        structured = self._structured_field(body)
+        if structured is not None and echo_only:
+            raise bad_request("structured_outputs is not supported with max_tokens=0", param="structured_outputs")
         raw = body.prompt
         items: list[str | list[int]]
         if isinstance(raw, str):
@@ -180,46 +189,104 @@ class _RequestPreparation:
                 raise bad_request("the prompt is empty after tokenization", param="prompt")
             requested = 1 if echo_only else body.max_tokens
             max_tokens = self._max_tokens(len(ids), requested, 16, "prompt", "max_tokens")
-            params.append(self._sampling_params(body, n, max_tokens, body.logprobs, engine_prompt_k))
+            params.append(self._sampling_params(body, n, max_tokens, body.logprobs, engine_prompt_k, structured))
             prompts.append(ids)
             texts.append(text)
         return _Prepared(prompts, texts, params, n, bool(body.stream),
                          bool(body.stream_options and body.stream_options.include_usage), body.logprobs,
-                         echo=bool(body.echo), prompt_logprobs=body.prompt_logprobs, echo_only=echo_only)
+                         echo=bool(body.echo), prompt_logprobs=body.prompt_logprobs, echo_only=echo_only,
+                         structured_param="structured_outputs" if structured else None)
 
-    def render_chat(self, messages: list[Any], add_generation_prompt: bool) -> list[int]:
+    def render_chat(self, messages: list[Any], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of the conversation through the model's chat template; tools (and tool calls / results in the
+        history) through the template when it supports them, else through the generic fallback
+        (``rooflm.structured.tools``)."""
         tok = self._require_tokenizer()
         plain = []
         for m in messages:
             d: dict[str, Any] = {"role": m.role, "content": m.text()}
             if m.name:
                 d["name"] = m.name
+            if m.tool_calls:
+                d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
             plain.append(d)
+        kw: dict[str, Any] = {}
+        uses_tools = bool(tools) or any(m.tool_calls or m.role == "tool" for m in messages)
+        if uses_tools and tool_calls.template_supports_tools(tok):
+            plain = tool_calls.template_messages(plain)
+            if tools:
+                kw["tools"] = tools
+        elif uses_tools:
+            plain = tool_calls.fallback_messages(plain, tools)
         try:
-            text = tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
         except Exception as e:  # jinja errors: the template refuses this conversation
             raise bad_request(f"the model's chat template cannot render these messages: {e}", param="messages")
         if not isinstance(text, str):
             raise bad_request("the model's chat template did not produce text", param="messages")
         return self._encode_checked(text, "messages", add_special_tokens=False)
 
-    def _check_chat_extras(self, body: ChatCompletionRequest) -> None:
-        """Fields accepted only where they change nothing; otherwise a 400 naming them (never silently ignored)."""
-        if body.response_format is not None and body.response_format != {"type": "text"}:
-            raise bad_request(f"response_format={body.response_format!r} is not supported: only {{'type': 'text'}} "
-                              "(structured output is not available on this server)", param="response_format")
-        if body.tools:
-            raise bad_request("tools are not supported by this server (no tool calling)", param="tools")
-        if body.tool_choice not in (None, "none", "auto"):
-            raise bad_request(f"tool_choice={body.tool_choice!r} is not supported: no tools are available",
+    @staticmethod
+    def _structured_field(body: SamplingRequest) -> StructuredOutputsParams | None:
+        if body.structured_outputs is None:
+            return None
+        fields = body.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        try:
+            return StructuredOutputsParams(**fields)
+        except ValueError as e:
+            raise bad_request(str(e), param="structured_outputs") from None
+
+    def _chat_constraints(self, body: ChatCompletionRequest):
+        """(constraint, the field that set it, tools to render, names of the functions to parse calls of)."""
+        structured, param = self._structured_field(body), "structured_outputs"
+        fmt = body.response_format
+        if fmt is not None and fmt.type != "text":
+            if structured is not None:
+                raise bad_request("send one of response_format and structured_outputs", param="response_format")
+            param = "response_format"
+            if fmt.type == "json_object":
+                structured = StructuredOutputsParams(json_object=True)
+            elif fmt.json_schema is None:
+                raise bad_request("response_format of type json_schema needs a json_schema object",
+                                  param="response_format")
+            elif fmt.json_schema.schema_ is None:
+                structured = StructuredOutputsParams(json_object=True)
+            else:
+                structured = StructuredOutputsParams(json=fmt.json_schema.schema_)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+        choice = body.tool_choice
+        if choice is None:
+            choice = "auto" if tools else "none"
+        if not tools:
+            if choice not in ("none", "auto"):
+                raise bad_request(f"tool_choice={choice!r} needs tools", param="tool_choice")
+            return structured, param, None, None
+        if choice == "none":
+            return structured, param, None, None
+        names = frozenset(t["function"]["name"] for t in tools)
+        if len(names) != len(tools):
+            raise bad_request("tools has two functions with the same name", param="tools")
+        if choice == "auto":
+            return structured, param, tools, names
+        if structured is not None:
+            raise bad_request(f"tool_choice={choice!r} cannot be combined with {param}: the call's format is fixed",
                               param="tool_choice")
+        name = None if choice == "required" else choice.function.name
+        if name is not None and name not in names:
+            raise bad_request(f"tool_choice names function {name!r}, which is not among the tools",
+                              param="tool_choice")
+        grammar = tool_calls.forced_call_grammar(tools, name)
+        return StructuredOutputsParams(grammar=grammar), "tools", tools, names
 
     def prepare_chat(self, body: ChatCompletionRequest) -> _Prepared:
         n = self._common_checks(body)
-        self._check_chat_extras(body)
+        structured, structured_param, tools, tool_names = self._chat_constraints(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-        ids = self.render_chat(body.messages, body.add_generation_prompt is not False)
+        ids = self.render_chat(body.messages, body.add_generation_prompt is not False, tools)
         if not ids:
             raise bad_request("the messages render to an empty prompt", param="messages")
         requested, param = body.max_completion_tokens, "max_completion_tokens"
@@ -229,7 +296,8 @@ class _RequestPreparation:
             raise bad_request(f"{param}=0 is invalid for chat completions: expected an integer >= 1", param=param)
         max_tokens = self._max_tokens(len(ids), requested, None, "messages", param)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._sampling_params(body, n, max_tokens, logprobs, body.prompt_logprobs)
+        params = self._sampling_params(body, n, max_tokens, logprobs, body.prompt_logprobs, structured)
         return _Prepared([ids], [""], [params], n, bool(body.stream),
                          bool(body.stream_options and body.stream_options.include_usage), logprobs,
-                         prompt_param="messages", prompt_logprobs=body.prompt_logprobs)
+                         prompt_param="messages", prompt_logprobs=body.prompt_logprobs,
+                         structured_param=structured_param if structured else None, tool_names=tool_names)

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 from rooflm.outputs import CompletionOutput, RequestOutput
 from rooflm.server.openai_prepare import _Prepared
+from rooflm.structured.tools import parse_tool_calls
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf: impossible tokens report this
 
@@ -136,11 +137,19 @@ class _ResponseRendering:
     def chat_response(self, prep: _Prepared, finals: list[RequestOutput], rid: str, created: int) -> dict[str, Any]:
         choices = []
         for o in finals[0].outputs:
+            message: dict[str, Any] = {"role": "assistant", "content": o.text}
+            finish_reason = o.finish_reason
+            if prep.tool_names:
+                content, calls = parse_tool_calls(o.text, prep.tool_names)
+                if calls:
+                    message = {"role": "assistant", "content": content if content.strip() else None,
+                               "tool_calls": [c.to_openai() for c in calls]}
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             choices.append({
                 "index": o.index,
-                "message": {"role": "assistant", "content": o.text},
+                "message": message,
                 "logprobs": None if prep.logprobs is None else self.chat_logprobs(o, 0, prep.logprobs),
-                "finish_reason": o.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": o.stop_reason,
             })
         choices.sort(key=lambda c: c["index"])

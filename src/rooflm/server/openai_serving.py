@@ -45,6 +45,7 @@ from rooflm.server.openai_prepare import _Prepared, _RequestPreparation
 from rooflm.server.openai_render import _ResponseRendering
 from rooflm.server.openai_sse import _DONE, _AbortingStreamingResponse, _sse
 from rooflm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from rooflm.structured.tools import ToolCallStream
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,8 @@ class OpenAIServing(_RequestPreparation, _ResponseRendering):
             if isinstance(e, EngineDeadError):
                 raise OpenAIError(503, f"the engine is not running: {e}", code="engine_unavailable") from None
             if isinstance(e, ValueError):
+                if prep.structured_param and "StructuredOutputsParams" in str(e):  # the schema / regex / grammar
+                    raise bad_request(str(e), param=prep.structured_param) from None
                 raise from_value_error(e, prep.prompt_param) from None
             raise
         return streams
@@ -290,6 +293,7 @@ class OpenAIServing(_RequestPreparation, _ResponseRendering):
         offsets: dict[tuple[int, int], int] = {}  # completions' text_offset so far
         done: set[tuple[int, int]] = set()
         finals: list[RequestOutput | None] = [None] * len(streams)
+        tool_streams: dict[tuple[int, int], ToolCallStream] = {}  # chat with tools: content and calls per choice
 
         def chunk(choice: dict[str, Any]) -> str:
             data: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": self.model_name,
@@ -318,18 +322,26 @@ class OpenAIServing(_RequestPreparation, _ResponseRendering):
                     delta = o.text[start:] if len(o.text) >= start else ""
                     if prep.echo and first:
                         delta = prep.prompt_texts[i] + delta
-                    if not delta and o.finish_reason is None:
+                    calls: list[dict[str, Any]] = []
+                    if chat and prep.tool_names:
+                        ts = tool_streams.setdefault(key, ToolCallStream(prep.tool_names))
+                        delta, calls = ts.feed(o.text, o.finish_reason is not None)
+                    if not delta and not calls and o.finish_reason is None:
                         continue  # held back (partial character or possible stop string): wait for more
                     tok_start = sent_tokens.get(key, 0)
                     sent_text[key] = max(len(o.text), start)
                     sent_tokens[key] = len(o.token_ids)
                     index = i * prep.n + o.index
                     if chat:
+                        finish = o.finish_reason
+                        if key in tool_streams and tool_streams[key].calls and finish == "stop":
+                            finish = "tool_calls"
                         choice: dict[str, Any] = {
-                            "index": index, "delta": {"content": delta} if delta else {},
+                            "index": index, "delta": ({"content": delta} if delta else {}) | (
+                                {"tool_calls": calls} if calls else {}),
                             "logprobs": None if prep.logprobs is None else self.chat_logprobs(
                                 o, tok_start, prep.logprobs),
-                            "finish_reason": o.finish_reason}
+                            "finish_reason": finish}
                     else:
                         lp = self.completion_choice_logprobs(prep, out, i, o, tok_start, offsets.get(key, 0),
                                                              prep.echo and first)

@@ -47,6 +47,16 @@ class StreamOptions(_Strict):
     include_usage: bool | None = False
 
 
+class StructuredOutputsField(_Strict):
+    """vLLM's ``structured_outputs`` extension: exactly one constraint (checked by ``StructuredOutputsParams``)."""
+
+    json_: dict[Text, Any] | Text | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(max_length=1024)] | None = None
+    grammar: Text | None = None
+
+
 class SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -78,6 +88,7 @@ class SamplingRequest(_Strict):
     include_stop_str_in_output: bool | None = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     priority: int | None = Field(default=0, ge=-(2**31), lt=2**31)  # vLLM's extra: lower is served first
+    structured_outputs: StructuredOutputsField | None = None  # vLLM's extra: constrained decoding
 
 
 class CompletionRequest(SamplingRequest):
@@ -98,10 +109,23 @@ class TextPart(_Strict):
     text: Text
 
 
+class FunctionCall(_Strict):
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class ToolCallMessage(_Strict):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | Annotated[list[TextPart], Field(max_length=256)] | None = None
     name: Text | None = None
+    tool_calls: Annotated[list[ToolCallMessage], Field(min_length=1, max_length=128)] | None = None  # assistant
+    tool_call_id: Text | None = None  # tool
 
     def text(self) -> str:
         if self.content is None:
@@ -111,17 +135,52 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule
+
+
+class FunctionDefinition(_Strict):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[Text, Any] | None = None  # a JSON schema of the arguments object; None: no arguments
+    strict: bool | None = None  # calls are always schema-valid when enforced (tool_choice required / named)
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: Annotated[Text, StringConstraints(max_length=64)]
+    description: Text | None = None
+    schema_: dict[Text, Any] | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # the output always follows the schema
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool | None = True  # extra: vLLM's name
-    # Accepted only where they change nothing (plain text, no tools); anything else is a 400 naming the field.
-    response_format: dict[Text, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Text | dict[Text, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # a forced call is always one call; "auto" parses all the model makes
 
 
 class TokenizeRequest(_Strict):

@@ -30,14 +30,15 @@ def expected_tokens(k: int, acceptance: float) -> float:
 
 
 def eligible(req: "Request") -> bool:
-    """Requests whose next token the verifier can decide: plain decodes without logprobs, penalties, logit bias or
-    min_tokens bans (their sampling depends on state the draft positions would change, or on logit changes the
-    verifier does not apply)."""
+    """Requests whose next token the verifier can decide: plain decodes without logprobs, penalties, logit bias,
+    structured output or min_tokens bans (their sampling depends on state the draft positions would change, or on
+    logit changes the verifier does not apply; a grammar's mask at each draft position would need the matcher
+    advanced through the drafts)."""
     p = req.params
     return (req.num_output_placeholders == 0 and req.num_computed_tokens == req.num_tokens - 1
             and req.num_output_tokens >= max(1, p.min_tokens) and p.logprobs is None and p.prompt_logprobs is None
             and p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0
-            and not getattr(p, "logit_bias", None))
+            and not getattr(p, "logit_bias", None) and getattr(p, "structured_outputs", None) is None)
 
 
 class SpeculativeProposer:

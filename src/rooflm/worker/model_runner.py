@@ -253,7 +253,7 @@ class ModelRunner:
             else:
                 logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=self.device)])
                 rows = rows_t if len(plain) == len(states) else rows_t[torch.tensor(plain_pos, device=self.device)]
-            md, penalty_rows, penalty_index = self._sampling_metadata(plain, rows)
+            md, penalty_rows, penalty_index = self._sampling_metadata(plain, rows, out)
             so = self.sampler(logits, md)  # [num_plain, vocab] float32 logits -> one token each
             for st in plain:
                 st.num_tokens += 1
@@ -291,11 +291,14 @@ class ModelRunner:
                 s.num_tokens += a + 1
                 s.pending_spec = []
 
-    def _sampling_metadata(self, sampling: list[CachedRequestState], rows: torch.Tensor):
+    def _sampling_metadata(self, sampling: list[CachedRequestState], rows: torch.Tensor, out: SchedulerOutput):
         params = [s.params for s in sampling]
         # Banned ids while under min_tokens: decided by the runner's own count of sampled tokens (the scheduler's
-        # host copy may lag a step behind under asynchronous scheduling).
-        banned = [banned_token_ids(s.num_output_tokens, s.params, self.eos_token_ids) for s in sampling]
+        # host copy may lag a step behind under asynchronous scheduling). A grammar decides alone when its output
+        # may end (banning EOS where the grammar allows only EOS would leave nothing to sample).
+        grammar = set(out.grammar_req_ids)
+        banned = [[] if s.req_id in grammar else banned_token_ids(s.num_output_tokens, s.params, self.eos_token_ids)
+                  for s in sampling]
         penalty_pos = [i for i, s in enumerate(sampling) if s.penalties]
         penalty_rows = [sampling[i].row for i in penalty_pos]
         penalty_index = counts = mask = None
@@ -306,7 +309,20 @@ class ModelRunner:
         empty = [[] for _ in sampling]
         md = SamplingMetadata.from_params(params, empty, empty, [s.generator for s in sampling], self.device, banned,
                                           output_token_counts=counts, prompt_token_mask=mask)
+        if grammar:
+            md.allowed_token_bitmask = self._batch_bitmask(sampling, out)
         return md, penalty_rows, penalty_index
+
+    def _batch_bitmask(self, sampling: list[CachedRequestState], out: SchedulerOutput) -> torch.Tensor:
+        """The step's bitmask for every sampled row (all ones where no grammar applies), one non-blocking copy."""
+        src = out.grammar_bitmask
+        host = torch.full((len(sampling), src.shape[1]), -1, dtype=torch.int32, pin_memory=self._pin)
+        at = {rid: i for i, rid in enumerate(out.grammar_req_ids)}
+        for i, s in enumerate(sampling):
+            j = at.get(s.req_id)
+            if j is not None:
+                host[i] = src[j]
+        return host.to(self.device, non_blocking=True)
 
     def _prompt_logprobs(self, states: list[CachedRequestState], out: SchedulerOutput, hidden: torch.Tensor,
                          meta: AttentionMetadata) -> list:
