@@ -258,8 +258,13 @@ class EngineConfig:
     # Engine replicas behind one server (``rooflm serve``), each with its own weights and KV cache; on CUDA replica
     # i runs on cuda:i. See rooflm.engine.data_parallel.
     data_parallel_size: int = 1
+    # GiB of the decoder layers' weights kept in host memory and streamed to the device layer by layer, one layer
+    # ahead of the compute (rooflm.worker.weight_offload; vLLM's name). 0: every weight on the device.
+    cpu_offload_gb: float = 0.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cpu_offload_gb, (int, float)) or self.cpu_offload_gb < 0:
+            raise _bad("EngineConfig", "cpu_offload_gb", self.cpu_offload_gb, "a number of GiB >= 0")
         if (not isinstance(self.data_parallel_size, int) or isinstance(self.data_parallel_size, bool)
                 or self.data_parallel_size < 1):
             raise _bad("EngineConfig", "data_parallel_size", self.data_parallel_size, "a positive integer")

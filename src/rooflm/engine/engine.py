@@ -83,7 +83,8 @@ class LLMEngine:
             model, model_config = load_model(
                 config.model, load_format=config.load_format, dtype=self.dtype, device=self.device,
                 attn_backend=config.attention_backend, ops=config.ops, seed=config.seed,
-                show_progress=config.show_progress, quantization=config.quantization)
+                show_progress=config.show_progress, quantization=config.quantization,
+                cpu_offload_gb=config.cpu_offload_gb)
             if config.load_format != "dummy" or config.tokenizer:
                 tokenizer = load_tokenizer(config.tokenizer or config.model)
         elif model_config is None:
@@ -130,7 +131,9 @@ class LLMEngine:
                     _kv_dtype_text(config.kv_cache_dtype, self.kv_dtype), num_blocks * config.block_size,
                     self.max_model_len, str(self.dtype).removeprefix("torch."), self.device,
                     "; asynchronous scheduling" if self.async_scheduling else "")
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # offloaded weights are copied in by Python hooks around each layer, which a CUDA graph would not replay
+        offloading = getattr(self.model, "weight_offloader", None) is not None
+        if self.device.type == "cuda" and not config.enforce_eager and not offloading:
             self.runner.capture_graphs(config.max_num_seqs)
         self._ids = itertools.count()
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float]] = deque()

@@ -42,6 +42,8 @@ _HELP = {
     # rooflm.quantization.config.QUANTIZATION_METHODS, written out so that --help does not import torch
     "quantization": "none | w8a16 | w4a16 | gptq | awq | gguf | fp8: how the projection weights are stored and "
                     "multiplied (default: what the checkpoint holds: float, GPTQ/AWQ, a GGUF file kept quantized)",
+    "cpu_offload_gb": "GiB of the decoder layers' weights kept in host memory and streamed to the device one layer "
+                      "ahead of the compute (runs a model larger than the device; no CUDA graphs)",
     "data_parallel_size": "engine replicas behind the server, each with its own weights and KV cache (on CUDA one "
                           "per device); requests go to the least loaded, or to the one caching their prefix",
 }

@@ -63,8 +63,14 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, rope_scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self._args = (theta, rope_scaling)
         # float32 whatever the model dtype (excluded from .to(dtype) casting by being re-made in float32 on use).
         self.register_buffer("inv_freq", compute_inv_freq(head_dim, theta, rope_scaling), persistent=False)
+
+    def init_buffers(self) -> None:
+        """Re-make ``inv_freq`` where it lives (a model built on the meta device gets its storage afterwards)."""
+        with torch.device(self.inv_freq.device):
+            self.inv_freq.copy_(compute_inv_freq(self.head_dim, *self._args))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [num_tokens] long -> cos, sin: [num_tokens, head_dim // 2] in ``dtype`` (angles in float32)."""

@@ -125,6 +125,7 @@ def load_model(
     show_progress: bool = True,
     ops: str = "auto",
     quantization: "str | QuantConfig | None" = None,
+    cpu_offload_gb: float = 0.0,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for ``model`` on ``device`` in ``dtype`` and fill its weights. Returns (model in eval mode,
     its ModelConfig).
@@ -134,6 +135,9 @@ def load_model(
     ``quantization``: None (what the checkpoint holds: float, GPTQ/AWQ, or a GGUF file kept quantized), one of
     ``rooflm.quantization.QUANTIZATION_METHODS`` (see ``resolve_quantization``), or a ``QuantConfig`` (e.g. with
     ``lm_head=True`` to quantize the LM head too, or another RTN ``group_size``).
+    ``cpu_offload_gb``: that much of the decoder layers' weights stays in host memory and streams in layer by layer
+    (``rooflm.worker.weight_offload``); the model is built on the meta device first, so no device or host ever holds
+    more than its share.
     Errors: FileNotFoundError for a missing model/weight file, ValueError for a bad ``ops``/``attn_backend``/
     ``quantization`` value, a corrupt file, a missing tensor, a shape mismatch or an unsupported architecture (each
     naming the thing)."""
@@ -163,8 +167,24 @@ def load_model(
 
         check_fp8_device(device)
 
-    with _build_on(dtype, device), op_selection(device, ops, attention):
-        net = model_cls(cfg)
+    if cpu_offload_gb < 0:
+        raise ValueError(f"cpu_offload_gb={cpu_offload_gb!r} is invalid: expected a number of GiB >= 0")
+    if cpu_offload_gb > 0 and method != "none":
+        raise ValueError(f"cpu_offload_gb={cpu_offload_gb} needs float weights: quantization={method!r} is not "
+                         "offloaded (pass quantization='none')")
+    offloaded: list[int] = []
+    if cpu_offload_gb > 0:
+        from rooflm.worker.weight_offload import (GiB, choose_offloaded, decoder_layers, layer_nbytes,
+                                                  materialize_with_offload)
+
+        with _build_on(dtype, torch.device("meta")), op_selection(device, ops, attention):
+            net = model_cls(cfg)
+        layers = decoder_layers(net)
+        offloaded = choose_offloaded(len(layers), layer_nbytes(layers[0]), int(cpu_offload_gb * GiB))
+        materialize_with_offload(net, layers, offloaded, device)
+    else:
+        with _build_on(dtype, device), op_selection(device, ops, attention):
+            net = model_cls(cfg)
     if fmt == "dummy":
         from rooflm.loader.dummy import init_dummy_weights
 
@@ -193,6 +213,12 @@ def load_model(
         from rooflm.quantization.apply import quantize_model
 
         quantize_model(net, qcfg or QuantConfig(method))
+    if offloaded:
+        from rooflm.worker.weight_offload import WeightOffloader, decoder_layers
+
+        net.weight_offloader = WeightOffloader(decoder_layers(net), offloaded, device)
+        logger.info("weight offloading: %d of %d decoder layers (%.2f GiB) stream from host memory", len(offloaded),
+                    len(decoder_layers(net)), net.weight_offloader.offloaded_bytes / 2**30)
     logger.info("loaded %s (%s, %s, quantization %s) on %s", path, cfg.architecture, fmt, method, device)
     return net.eval(), cfg
 

@@ -12,10 +12,11 @@ from torch import nn
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    gen: torch.Generator | None = None
+    gens: dict[torch.device, torch.Generator] = {}  # one per device (weights offloaded to the host: two)
     for name, param in model.named_parameters():  # a tied weight is listed once
+        gen = gens.get(param.device)
         if gen is None:
-            gen = torch.Generator(device=param.device)
+            gen = gens[param.device] = torch.Generator(device=param.device)
             gen.manual_seed(seed)
         if name.endswith("norm.weight"):
             param.fill_(1.0)
