@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: run from the repository root as
 #   bash tests/gpu/device_session.sh STAGE...      (stages: info tests kbench latency1 latency32 prefill throughput
-#                                                   qlat fp8pre qtests)
+#                                                   qlat fp8pre qtests kvlat qsweep offload newtests)
 # JSON and profiles go to $OUT (or ./out), every stage's log is appended to $OUT/all.log (the device tool returns at
 # most 8 files). Every stage has its own time limit, so one failure does not sink the call.
 set -u
@@ -50,6 +50,21 @@ for stage in "$@"; do
             done ;;
     qtests) TAIL=15 run qtests 200 $PY -m pytest tests/gpu/test_gpu_quant_gemm.py tests/gpu/test_gpu_kv_quant.py \
               tests/gpu/test_gpu_quant_fp8.py -q -rs -p no:cacheprovider ;;
+    kvlat) for kv in auto int8 fp8; do
+             run "kvlat_$kv" 150 $PY -m rooflm.cli bench latency --model llama-2-7b --load-format dummy --batch-size 32 \
+               --input-len 4096 --output-len 64 --dtype float16 --num-iters 2 --kv-cache-dtype $kv \
+               --json "$OUT/kvlat_$kv.json"
+           done ;;
+    qsweep) for q in none w8a16 w4a16; do for b in 1 16; do for ctx in 512 4096; do
+              TAIL=4 run "qsweep_${q}_b${b}_c${ctx}" 120 $PY -m rooflm.cli bench latency --model llama-2-7b \
+                --load-format dummy --batch-size $b --input-len $ctx --output-len 32 --dtype float16 --num-iters 1 \
+                --quantization $q --json "$OUT/qsweep.json.tmp"
+              cat "$OUT/qsweep.json.tmp" >> "$OUT/qsweep.jsonl" 2>/dev/null; echo >> "$OUT/qsweep.jsonl"
+            done; done; done; rm -f "$OUT/qsweep.json.tmp" ;;
+    offload) TAIL=10 run offload_test 200 $PY -m pytest tests/gpu/test_gpu_weight_offload.py -q -p no:cacheprovider
+             run offload_70b 420 $PY tests/gpu/offload_bench.py llama-2-70b 75 64 ;;
+    newtests) TAIL=20 run newtests 300 $PY -m pytest tests/gpu/test_gpu_structured.py tests/gpu/test_gpu_swap.py \
+                tests/gpu/test_gpu_weight_offload.py tests/gpu/test_gpu_async_engine.py -q -rs -p no:cacheprovider ;;
     *) echo "unknown stage $stage";;
   esac
 done
