@@ -23,6 +23,6 @@ def test_offloaded_layers_give_the_resident_tokens_on_the_gpu():
     want, _ = _tokens(0)
     got, off = _tokens(0.05)
     assert off is not None and len(off.indices) >= 3
-    assert all(t.is_pinned() for t in off._host[0])
+    assert all(t.is_pinned() for t in off._host[0]), "the host copies are not page-locked"
     assert got == want
     assert off.copies > len(off.indices)

@@ -181,14 +181,14 @@ def load_model(
             net = model_cls(cfg)
         layers = decoder_layers(net)
         offloaded = choose_offloaded(len(layers), layer_nbytes(layers[0]), int(cpu_offload_gb * GiB))
-        materialize_with_offload(net, layers, offloaded, device)
+        host_buffers = materialize_with_offload(net, layers, offloaded, device)
     else:
         with _build_on(dtype, device), op_selection(device, ops, attention):
             net = model_cls(cfg)
     if fmt == "dummy":
         from rooflm.loader.dummy import init_dummy_weights
 
-        init_dummy_weights(net, seed)
+        init_dummy_weights(net, seed, device=device)
     elif fmt == "safetensors":
         from rooflm.loader.safetensors import count_tensors, iter_safetensors, safetensors_files
 
@@ -216,7 +216,7 @@ def load_model(
     if offloaded:
         from rooflm.worker.weight_offload import WeightOffloader, decoder_layers
 
-        net.weight_offloader = WeightOffloader(decoder_layers(net), offloaded, device)
+        net.weight_offloader = WeightOffloader(decoder_layers(net), offloaded, device, host_buffers)
         logger.info("weight offloading: %d of %d decoder layers (%.2f GiB) stream from host memory", len(offloaded),
                     len(decoder_layers(net)), net.weight_offloader.offloaded_bytes / 2**30)
     logger.info("loaded %s (%s, %s, quantization %s) on %s", path, cfg.architecture, fmt, method, device)
