@@ -32,6 +32,11 @@ def test_bench_latency_json(tmp_path, capsys):
         outer, _, inner = key.partition(".")
         assert float(row[key]) == pytest.approx(float(d[outer][inner] if inner else d[outer]))
     assert "iterations" not in row  # lists stay in the JSON
+    # the float32 run's roofline counts 4 bytes per weight (the analyzer's W32), not the 16-bit default
+    from rooflm.roofline import analyze, get_hardware
+
+    w32, w16 = (analyze("smollm2-135m", get_hardware("a6000"), w_bits=w).memory.weights for w in ("32", "16"))
+    assert d["roofline"]["weights_bytes"] == w32 != w16
     assert (d["batch_size"], d["input_len"], d["output_len"]) == (2, 16, 4)
     assert 0 < d["ttft_s"] < d["e2e_s"] and d["tpot_s"] > 0
     assert d["decode_tok_s"] == pytest.approx(d["batch_size"] / d["tpot_s"], rel=1e-6)

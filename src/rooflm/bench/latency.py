@@ -287,9 +287,12 @@ def run(args: argparse.Namespace) -> int:
     }
     if live:
         res["live_roofline"] = live
+    from rooflm.bench.preflight import weight_bits
     from rooflm.quantization.apply import weight_format
 
-    bounds = roofline_bounds(cfg, ceilings, B, L_in, L_out, w_bits=weight_format(engine.model) or 16)
+    # a float model's weights take its dtype's bytes (a float32 run on the CPU moves 4 bytes per weight, not 2)
+    bounds = roofline_bounds(cfg, ceilings, B, L_in, L_out,
+                             w_bits=weight_format(engine.model) or weight_bits(res["dtype"], None))
     if bounds:
         res["roofline"] = bounds
         res["achieved_gbps"] = bounds["decode_step_bytes"] / med["tpot_s"] / 1e9
