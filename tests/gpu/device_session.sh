@@ -52,10 +52,10 @@ for stage in "$@"; do
               tests/gpu/test_gpu_quant_fp8.py -q -rs -p no:cacheprovider ;;
     kvlat) for kv in auto int8 fp8; do
              run "kvlat_$kv" 150 $PY -m rooflm.cli bench latency --model llama-2-7b --load-format dummy --batch-size 32 \
-               --input-len 4096 --output-len 64 --dtype float16 --num-iters 2 --kv-cache-dtype $kv \
+               --input-len 4000 --output-len 64 --dtype float16 --num-iters 2 --kv-cache-dtype $kv \
                --json "$OUT/kvlat_$kv.json"
            done ;;
-    qsweep) for q in none w8a16 w4a16; do for b in 1 16; do for ctx in 512 4096; do
+    qsweep) for q in none w8a16 w4a16; do for b in 1 16; do for ctx in ${QSWEEP_CTX:-512 4000}; do
               TAIL=4 run "qsweep_${q}_b${b}_c${ctx}" 120 $PY -m rooflm.cli bench latency --model llama-2-7b \
                 --load-format dummy --batch-size $b --input-len $ctx --output-len 32 --dtype float16 --num-iters 1 \
                 --quantization $q --json "$OUT/qsweep.json.tmp"
