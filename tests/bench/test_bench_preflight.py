@@ -86,3 +86,19 @@ def test_lengths_beyond_the_models_positions_fail_before_measuring(command, monk
                  "--input-len", "4000", "--output-len", "200"]) == 2
     assert capsys.readouterr().err.strip() == (f"rooflm bench {command}: error: --input-len 4000 + --output-len 200: "
                                                "must be <= 4096, the max positions of llama-2-7b")
+
+
+def test_the_benchmark_kv_pool_is_sized_in_the_cache_dtype():
+    """A quantized cache stores a token in about half the bytes: the pool a benchmark asks for (and the preflight
+    counts) follows, instead of holding twice the tokens it needs."""
+    import argparse
+
+    import torch
+
+    from rooflm.bench.latency import kv_cache_bytes
+
+    sizes = {kv: kv_cache_bytes(argparse.Namespace(kv_cache_memory_gib=None, model="llama-2-7b", kv_cache_dtype=kv),
+                                torch.float16, 16 * 4096) for kv in ("auto", "int8", "fp8")}
+    assert sizes["int8"] == sizes["fp8"]
+    # int8 values (1 byte) plus one float32 scale per token and head of 128: (128 + 4) / 256 of the fp16 bytes
+    assert sizes["int8"] / sizes["auto"] == pytest.approx((128 + 4) / 256, rel=1e-6)

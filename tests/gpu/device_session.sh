@@ -51,7 +51,7 @@ for stage in "$@"; do
     qtests) TAIL=15 run qtests 200 $PY -m pytest tests/gpu/test_gpu_quant_gemm.py tests/gpu/test_gpu_kv_quant.py \
               tests/gpu/test_gpu_quant_fp8.py -q -rs -p no:cacheprovider ;;
     kvlat) for kv in auto int8 fp8; do
-             run "kvlat_$kv" 150 $PY -m rooflm.cli bench latency --model llama-2-7b --load-format dummy --batch-size 32 \
+             run "kvlat_$kv" 150 $PY -m rooflm.cli bench latency --model llama-2-7b --load-format dummy --batch-size 16 \
                --input-len 4000 --output-len 64 --dtype float16 --num-iters 2 --kv-cache-dtype $kv \
                --json "$OUT/kvlat_$kv.json"
            done ;;

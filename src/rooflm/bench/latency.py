@@ -110,9 +110,12 @@ def kv_cache_bytes(args: argparse.Namespace, dtype, tokens: int, block_size: int
 
     if args.kv_cache_memory_gib:
         return int(args.kv_cache_memory_gib * 2**30)
+    from rooflm.attention.kv_quant import kv_bytes_per_token_head
+
     cfg = load_model_config(args.model)
-    elem = torch.empty((), dtype=dtype).element_size()
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+    # K and V of one token and head, in the cache's element type (int8 / fp8 with their scales when quantized)
+    per_head = kv_bytes_per_token_head(cfg.head_dim, dtype, getattr(args, "kv_cache_dtype", "auto"))
+    per_token = cfg.num_hidden_layers * cfg.num_key_value_heads * per_head
     return int(per_token * (tokens + 64 * block_size) * 1.1)
 
 
