@@ -146,3 +146,60 @@ def test_drafter_budget_respects_blocks_and_model_length():
     assert d.budget(position=10, num_blocks=3) == 2  # only slots 10, 11 are held
     assert d.budget(position=17, num_blocks=8) == 2  # verify must stay below position 20
     assert d.budget(position=19, num_blocks=8) == 0
+
+
+def test_the_drafter_samples_from_q_and_keeps_q():
+    """Random rows draw their draft token from q (the request's sampling transform of the draft's logits) and keep
+    q for verification; greedy rows take the argmax and keep nothing; a seeded row repeats with its generator."""
+    from rooflm.layers.sampler import target_probs
+    from rooflm.spec_decode.drafter import DraftRequest, Drafter
+
+    torch.manual_seed(0)
+    d = Drafter.__new__(Drafter)
+    d.device = torch.device("cpu")
+    v, n = 6, 30000
+    row_logits = torch.tensor([0.5, 2.0, -1.0, 1.0, 0.0, 1.5])
+    logits = torch.cat([row_logits.repeat(n, 1), row_logits.unsqueeze(0)])
+    hot = SamplingParams(temperature=0.7, top_k=5)
+    reqs = [DraftRequest(f"r{i}", i, 0, [0], hot, None) for i in range(n)]
+    reqs.append(DraftRequest("g", n, 0, [0], SamplingParams(temperature=0), None))
+    probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+    tokens = d._choose(logits, reqs, [False] * n + [True], probs)
+    q = target_probs(row_logits.unsqueeze(0), _md([hot]))[0]
+    assert q[2] == 0  # top-k 5 removed the least likely token
+    assert _chi2_ok(torch.bincount(tokens[:n], minlength=v).float(), q)
+    assert (tokens[:n] != 2).all()
+    assert torch.allclose(probs[0][0], q) and probs[-1] == []
+    assert tokens[-1].item() == 1
+
+    def seeded() -> int:
+        g = torch.Generator().manual_seed(9)
+        r = DraftRequest("s", 0, 0, [0], SamplingParams(temperature=1.0, seed=9), g)
+        return d._choose(row_logits.repeat(1, 1), [r], [False], [[]]).item()
+
+    draws = {seeded() for _ in range(5)}
+    assert len(draws) == 1
+
+
+def test_analyzer_adds_the_draft_steps_to_the_prediction():
+    """The model drafting for itself costs k decode steps more per verification; its first half of the layers about
+    half of that (the embedding and LM head come on top); the speed-up is tokens per verification times a decode
+    step over the verify step plus the draft steps."""
+    import re
+
+    from rooflm.roofline.cli import speculative_lines
+    from rooflm.roofline.hardware import get_hardware
+    from rooflm.spec_decode.proposer import expected_tokens
+
+    hw = get_hardware("a6000")
+    pattern = r"takes ([\d.]+) ms = [\d.]+x a decode step \(([\d.]+) ms\) \+ 4 draft steps ([\d.]+) ms.*up ([\d.]+)x"
+    (same,) = speculative_lines("llama-2-7b", hw, [1], 1024, 4, 0.8, draft_model="llama-2-7b")
+    verify, plain, drafting, speedup = (float(x) for x in re.search(pattern, same).groups())
+    assert drafting == pytest.approx(4 * plain, rel=0.01)
+    assert speedup == pytest.approx(expected_tokens(4, 0.8) * plain / (verify + drafting), rel=0.01)
+    (half,) = speculative_lines("llama-2-7b", hw, [1], 1024, 4, 0.8, draft_layers=16)
+    _, _, drafting_half, speedup_half = (float(x) for x in re.search(pattern, half).groups())
+    assert 0.5 * drafting < drafting_half < 0.6 * drafting
+    assert speedup < speedup_half
+    with pytest.raises(ValueError, match="--draft-layers"):
+        speculative_lines("llama-2-7b", hw, [1], 1024, 4, 0.8, draft_layers=32)

@@ -9,7 +9,8 @@ Tasks (prompts built from the public-domain text shipped with rooflm):
 Each mode runs the same prompts, ``--batch-size`` at a time, greedy with EOS ignored, after one warm-up request.
 Reported: output tokens/s of both modes and their ratio, whether the greedy tokens are identical (they must be),
 the acceptance rate and mean accepted length, and the speed-up the roofline predicts for that acceptance rate (a
-verify step of k + 1 tokens per request against a plain decode step, both at the prompts' mean context).
+verify step of k + 1 tokens per request, plus a draft model's k steps, against a plain decode step, both at the
+prompts' mean context). Any ``method`` works: ``ngram``, ``draft_model`` and ``self``.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
+    p.add_argument("--quantization", default=None,
+                   help="none | w8a16 | w4a16 | gguf | ... (default: what the checkpoint holds)")
     p.add_argument("--task", choices=["repeat", "continue"], default="repeat")
     p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}',
                    help="JSON, as the engine's speculative_config")
@@ -57,7 +60,7 @@ def _run_mode(args: argparse.Namespace, prompts: list[list[int]], spec: str | No
     from rooflm.sampling_params import SamplingParams
 
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-              speculative_config=spec, show_progress=False)
+              speculative_config=spec, show_progress=False, quantization=getattr(args, "quantization", None))
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     before = llm.engine.get_stats()
@@ -83,8 +86,11 @@ def _run_mode(args: argparse.Namespace, prompts: list[list[int]], spec: str | No
         b = args.batch_size
         plain = llm.engine.roofline.predict([1] * b, [ctx] * b, b)
         verify = llm.engine.roofline.predict([k + 1] * b, [ctx + k] * b, b * (k + 1))
+        # a draft model's k single-token steps: each about its share of the target's weight bytes of a decode step
+        draft = llm.engine.proposer.draft_cost * k * plain
         res["roofline_verify_over_decode"] = verify / plain
-        res["predicted_speedup"] = expected_tokens(k, res["acceptance_rate"]) * plain / verify
+        res["draft_over_decode"] = draft / plain
+        res["predicted_speedup"] = expected_tokens(k, res["acceptance_rate"]) * plain / (verify + draft)
     return res
 
 
@@ -120,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
           f"   greedy tokens identical: {res['identical_tokens']}")
     if spec["acceptance_rate"] is not None:
         print(f"  acceptance {spec['acceptance_rate']:.1%}, mean accepted length {spec['mean_accepted_length']:.2f}; "
-              f"roofline: a verify step costs {spec['roofline_verify_over_decode']:.2f}x a decode step, predicted "
+              f"roofline: a verify step costs {spec['roofline_verify_over_decode']:.2f}x a decode step, drafting "
+              f"{spec['draft_over_decode']:.2f}x, predicted "
               f"speed-up {spec['predicted_speedup']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
