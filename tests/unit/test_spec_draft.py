@@ -146,6 +146,7 @@ def test_drafter_budget_respects_blocks_and_model_length():
     assert d.budget(position=10, num_blocks=3) == 2  # only slots 10, 11 are held
     assert d.budget(position=17, num_blocks=8) == 2  # verify must stay below position 20
     assert d.budget(position=19, num_blocks=8) == 0
+    assert d.budget(position=5, num_blocks=3, max_drafts=1) == 1  # one token left to max_tokens after the next
 
 
 def test_the_drafter_samples_from_q_and_keeps_q():

@@ -33,8 +33,8 @@ class SpeculativeConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"speculative_config.{name}={v!r} is invalid: expected a positive integer")
-        if self.num_draft_layers is not None and (not isinstance(self.num_draft_layers, int)
-                                                  or isinstance(self.num_draft_layers, bool) or self.num_draft_layers < 1):
+        n = self.num_draft_layers
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"speculative_config.num_draft_layers={self.num_draft_layers!r} is invalid: expected a "
                              "positive integer or None")
         if self.num_draft_layers is not None and self.method != "self":

@@ -82,10 +82,15 @@ def early_exit_forward(model: nn.Module, num_layers: int) -> Callable:
     return forward
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of a model's weights, packed quantized ones (buffers) included: what a decode step reads."""
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
 @dataclass
 class DraftRequest:
     """One request to draft for: its persistent row, the position of its newest token (not yet in the cache),
-    its block table, sampling parameters and generator."""
+    its block table, sampling parameters and generator, and the most drafts it can use (its remaining max_tokens)."""
 
     req_id: str
     row: int
@@ -93,6 +98,7 @@ class DraftRequest:
     block_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None
+    max_drafts: int | None = None
 
 
 class Drafter:
@@ -131,8 +137,7 @@ class Drafter:
             self.kv_caches = [allocate_kv_cache(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype,
                                                 kv_cache_dtype, device) for _ in range(cfg.num_hidden_layers)]
             self.owns_cache = True
-            self.cost_fraction = (sum(p.numel() for p in model.parameters())
-                                  / max(1, sum(p.numel() for p in target.parameters())))
+            self.cost_fraction = weight_bytes(model) / max(1, weight_bytes(target))
         else:
             raise ValueError(f"speculative_config.method={spec.method!r} has no draft model")
         # req_id -> (draft tokens, their distributions [k_r, V] or None for greedy requests)
@@ -156,20 +161,21 @@ class Drafter:
             self.pending.pop(rid, None)
 
     # -- proposing ------------------------------------------------------------------------------------------------------
-    def budget(self, position: int, num_blocks: int) -> int:
+    def budget(self, position: int, num_blocks: int, max_drafts: int | None = None) -> int:
         """How many tokens a request whose newest token sits at ``position`` may draft: its drafts' KV must fit the
-        blocks it holds and the model's length."""
-        return max(0, min(self.k, num_blocks * self.block_size - position, self.max_model_len - 1 - position))
+        blocks it holds and the model's length (and no more than ``max_drafts`` are of use)."""
+        k = self.k if max_drafts is None else min(self.k, max_drafts)
+        return max(0, min(k, num_blocks * self.block_size - position, self.max_model_len - 1 - position))
 
     @torch.inference_mode()
     def propose(self, reqs: list[DraftRequest], last_token: torch.Tensor) -> dict[str, list[int]]:
         """Up to k draft tokens per request, continuing from ``last_token[row]`` (the token just produced, on the
         device). Runs one batched single-token step of the draft per draft position."""
         self.pending = {}
-        reqs = [r for r in reqs if self.budget(r.position, len(r.block_ids)) >= 1]
+        reqs = [r for r in reqs if self.budget(r.position, len(r.block_ids), r.max_drafts) >= 1]
         if not reqs or not self.enabled:
             return {}
-        limits = [self.budget(r.position, len(r.block_ids)) for r in reqs]
+        limits = [self.budget(r.position, len(r.block_ids), r.max_drafts) for r in reqs]
         greedy = [r.params.greedy or r.params.top_k == 1 for r in reqs]
         rows = torch.tensor([r.row for r in reqs], device=self.device)
         tokens = last_token.index_select(0, rows)

@@ -281,8 +281,12 @@ class ModelRunner:
         newest = [(s, s.num_tokens - 1) for s in plain]  # num_tokens already counts the sampled token
         if spec:
             newest += [(s, s.num_tokens + a) for s, a in zip(spec, accepted.tolist())]
-        reqs = [DraftRequest(s.req_id, s.row, p, s.block_ids, s.params, s.generator) for s, p in newest
-                if draftable(s.params) and p + 1 - s.num_prompt_tokens >= s.params.min_tokens]
+        reqs = []
+        for s, p in newest:
+            outputs = p + 1 - s.num_prompt_tokens  # output tokens once this step's are counted
+            if draftable(s.params) and outputs >= s.params.min_tokens:
+                left = None if s.params.max_tokens is None else s.params.max_tokens - outputs - 1
+                reqs.append(DraftRequest(s.req_id, s.row, p, s.block_ids, s.params, s.generator, left))
         return self.drafter.propose(reqs, self.batch.last_token)
 
     def _verify(self, spec: list[CachedRequestState], out: SchedulerOutput, hidden: torch.Tensor,
