@@ -204,3 +204,24 @@ def test_analyzer_adds_the_draft_steps_to_the_prediction():
     assert speedup < speedup_half
     with pytest.raises(ValueError, match="--draft-layers"):
         speculative_lines("llama-2-7b", hw, [1], 1024, 4, 0.8, draft_layers=32)
+
+
+def test_a_draft_step_reads_its_layers_and_the_whole_lm_head(tmp_path):
+    """The switch-off's price of a ``self`` draft step: its layers plus the LM head, over a full decode step's."""
+    import json
+
+    from rooflm.loader import load_model
+    from rooflm.spec_decode.drafter import decode_weight_bytes, weight_bytes
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 32,
+           "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "tie_word_embeddings": True, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "eos_token_id": 2}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    model, _ = load_model(str(tmp_path / "config.json"), load_format="dummy", dtype=torch.float32, device="cpu",
+                          show_progress=False)
+    layer = weight_bytes(model.model.layers[0])
+    head = weight_bytes(model.lm_head)
+    assert head == 512 * 32 * 4  # tied: the embedding's matrix, counted once
+    full = decode_weight_bytes(model)
+    assert full == 4 * layer + head + weight_bytes(model.model.norm)
+    assert decode_weight_bytes(model, 1) == full - 3 * layer

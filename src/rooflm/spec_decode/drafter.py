@@ -87,6 +87,16 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 
 
+def decode_weight_bytes(model: nn.Module, num_layers: int | None = None) -> int:
+    """The weight bytes a decode step of ``model`` (its first ``num_layers`` layers) reads: the layers, the final
+    norm and the LM head; the embedding contributes one row per token."""
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
+        return weight_bytes(model)
+    layers = list(inner.layers)[:num_layers]
+    return sum(weight_bytes(m) for m in layers) + weight_bytes(inner.norm) + weight_bytes(model.lm_head)
+
+
 @dataclass
 class DraftRequest:
     """One request to draft for: its persistent row, the position of its newest token (not yet in the cache),
@@ -125,8 +135,8 @@ class Drafter:
             self.compute_logits = target.compute_logits
             self.kv_caches = target_caches[:n]  # shared: the target's own cache for those layers
             self.owns_cache = False
-            # Decode reads every weight once: the draft's share of a step is about its share of the layers.
-            self.cost_fraction = n / target_cfg.num_hidden_layers
+            # Decode reads every weight once: a draft step reads its layers and the whole LM head.
+            self.cost_fraction = decode_weight_bytes(target, n) / max(1, decode_weight_bytes(target))
         elif spec.method == "draft_model":
             if draft is None:
                 raise ValueError("speculative_config.method='draft_model' needs a loaded draft model")
@@ -137,7 +147,7 @@ class Drafter:
             self.kv_caches = [allocate_kv_cache(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype,
                                                 kv_cache_dtype, device) for _ in range(cfg.num_hidden_layers)]
             self.owns_cache = True
-            self.cost_fraction = weight_bytes(model) / max(1, weight_bytes(target))
+            self.cost_fraction = decode_weight_bytes(model) / max(1, decode_weight_bytes(target))
         else:
             raise ValueError(f"speculative_config.method={spec.method!r} has no draft model")
         # req_id -> (draft tokens, their distributions [k_r, V] or None for greedy requests)
