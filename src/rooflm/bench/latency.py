@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hf: also time transformers' generate on the same weights and prompts; llama.cpp: time "
                         "llama.cpp (llama-cpp-python, same threads) on the same .gguf file and prompts (batch 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="also time the same prompts with this speculative_config (same model, same process) and "
+                        "report the speed-up, acceptance rate and mean accepted length")
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--profile", nargs="?", const="", default=None, metavar="FILE",
                    help="CUDA only: profile 16 decode steps (batch 1 and --batch-size) with torch.profiler and report "
@@ -257,8 +260,10 @@ def run(args: argparse.Namespace) -> int:
     before = copy.copy(engine.get_stats())  # the live roofline of the timed iterations only
     iters = []
     last_prompts = None
+    timed_prompts = []
     for _ in range(args.num_iters):
         last_prompts = prompts()
+        timed_prompts.append(last_prompts)
         iters.append(_one_iteration(engine, last_prompts, L_out))
     live = roofline_summary(engine.get_stats(), since=before)
     med = {k: statistics.median(it[k] for it in iters) for k in ("ttft_s", "tpot_s", "e2e_s")}
@@ -293,6 +298,11 @@ def run(args: argparse.Namespace) -> int:
     except Exception:  # noqa: BLE001 - triton missing: nothing to report
         pass
 
+    if getattr(args, "speculative_config", None):
+        from rooflm.bench.speculative import latency_comparison
+
+        res["speculative"] = latency_comparison(engine, args.speculative_config, timed_prompts, iters, L_out,
+                                                _one_iteration, res)
     if args.baseline == "hf":
         t0 = time.perf_counter()
         hf = build_hf_model(engine)
@@ -454,6 +464,10 @@ def _print(r: dict) -> None:
         print(f"  {line}")
     for line in profile_lines(r.get("profile", {})):
         print(line)
+    if "speculative" in r:
+        from rooflm.bench.speculative import latency_line
+
+        print(latency_line(r["speculative"]))
     if "hf" in r:
         h = r["hf"]
         print(f"  transformers generate: TTFT {h['ttft_s'] * 1e3:.1f} ms  TPOT {h['tpot_s'] * 1e3:.2f} ms  "

@@ -189,3 +189,46 @@ def verify_cost(model_name: str, load_format: str, dtype: str, batch_sizes: list
             print(f"  batch {b:3d}  k={k}: verify {times[k] * 1e3:8.3f} ms / decode {times[0] * 1e3:8.3f} ms = "
                   f"{times[k] / times[0]:.3f}  (roofline {predicted:.3f})")
     return rows
+
+
+def latency_comparison(engine, spec: str, prompts: list[list[list[int]]], plain_iters: list[dict], output_len: int,
+                       one_iteration, plain: dict) -> dict:
+    """``rooflm bench latency --speculative-config``: the timed iterations again (the same prompts) on a second engine
+    over the same loaded model with ``spec``; medians, the speed-up over the plain run, acceptance and mean accepted
+    length, and whether the greedy tokens are identical."""
+    import dataclasses
+    import statistics
+
+    from rooflm.engine.engine import LLMEngine
+
+    c = engine.config
+    # a draft model's pool takes blocks of its own beside the target's: room for the same tokens
+    kv = c.kv_cache_memory if c.kv_cache_memory is None or "draft_model" not in spec else 2 * c.kv_cache_memory
+    config = dataclasses.replace(c, speculative_config=spec, async_scheduling=False, kv_cache_memory=kv)
+    spec_engine = LLMEngine(config, model=engine.model, model_config=engine.model_config, tokenizer=engine.tokenizer)
+    one_iteration(spec_engine, prompts[0], min(output_len, 16))  # warm-up
+    before = spec_engine.get_stats()
+    base = (before.spec_draft_tokens, before.spec_accepted_tokens, before.spec_verifications)
+    iters = [one_iteration(spec_engine, p, output_len) for p in prompts]
+    s = spec_engine.get_stats()
+    drafts, accepted, verifications = (s.spec_draft_tokens - base[0], s.spec_accepted_tokens - base[1],
+                                       s.spec_verifications - base[2])
+    tpot = statistics.median(it["tpot_s"] for it in iters)
+    e2e = statistics.median(it["e2e_s"] for it in iters)
+    batch = len(prompts[0])
+    return {"speculative_config": json.loads(spec) if isinstance(spec, str) else spec,
+            "tpot_s": tpot, "decode_tok_s": batch / tpot, "e2e_tok_s": batch * output_len / e2e,
+            "speedup_decode": plain["tpot_s"] / tpot, "speedup_e2e": plain["e2e_s"] / e2e,
+            "draft_tokens": drafts, "acceptance_rate": accepted / drafts if drafts else None,
+            "mean_accepted_length": 1 + accepted / verifications if verifications else None,
+            "spec_steps_disabled": s.spec_steps_disabled,
+            "identical_tokens": [it["tokens"] for it in iters] == [it["tokens"] for it in plain_iters]}
+
+
+def latency_line(r: dict) -> str:
+    acc = (f"acceptance {r['acceptance_rate']:.1%}, mean accepted length {r['mean_accepted_length']:.2f}"
+           if r["acceptance_rate"] is not None else "no drafts verified")
+    return (f"  speculative {r['speculative_config']}: decode {r['decode_tok_s']:.1f} tok/s "
+            f"({r['speedup_decode']:.2f}x plain), end-to-end {r['e2e_tok_s']:.1f} tok/s ({r['speedup_e2e']:.2f}x); "
+            f"{acc}; {r['spec_steps_disabled']} steps without drafts (roofline switch-off); greedy tokens "
+            f"identical: {r['identical_tokens']}")
