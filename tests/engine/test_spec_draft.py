@@ -104,3 +104,59 @@ def test_a_draft_with_another_vocabulary_is_refused(make_engine, tmp_path):
 def test_self_draft_needs_fewer_layers_than_the_model(make_engine):
     with pytest.raises(ValueError, match="num_draft_layers=30"):
         make_engine(speculative_config={"method": "self", "num_draft_layers": 30})
+
+
+def _small_llama(tmp_path, name: str, layers: int) -> str:
+    cfg = {**TINY, "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers,
+           "max_position_embeddings": 64}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_sampled_tokens_with_a_draft_model_follow_the_target(tmp_path):
+    """End to end at temperature 1, a 16-token vocabulary: the first two output tokens' joint distribution is the
+    target's p(t1) p(t2 | t1), computed directly from the model, although t2 always comes out of rejection sampling
+    against a different (random 1-layer) draft model's distribution (chi-square over the 256 pairs)."""
+    import math
+
+    import torch
+
+    from rooflm.attention.metadata_utils import allocate_kv_caches, single_sequence_metadata
+    from rooflm.config import EngineConfig
+    from rooflm.engine.engine import LLMEngine
+    from rooflm.loader import load_model
+
+    target, cfg = load_model(_small_llama(tmp_path, "target", 2), load_format="dummy", dtype=torch.float32,
+                             device="cpu", show_progress=False)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(3.0)  # (tied to the embedding) peaked, far from the near-uniform draft
+    prompt = [3, 7, 1]
+
+    def probs(ids: list[int]) -> torch.Tensor:
+        caches = allocate_kv_caches(cfg.num_hidden_layers, 1, 16, cfg.num_key_value_heads, cfg.head_dim)
+        meta, pos = single_sequence_metadata(0, len(ids), 16)
+        with torch.inference_mode():
+            hidden = target(torch.tensor(ids), pos, caches, meta)
+            return torch.softmax(target.compute_logits(hidden[-1:]), dim=-1)[0]
+
+    p1 = probs(prompt)
+    joint = torch.stack([p1[a] * probs(prompt + [a]) for a in range(16)]).flatten()  # [256]
+    assert p1.max() > 0.2  # not uniform: a wrong acceptance rule would show
+    spec = {"method": "draft_model", "model": _small_llama(tmp_path, "draft", 1), "load_format": "dummy",
+            "num_speculative_tokens": 2, "auto_disable": False}
+    engine = LLMEngine(EngineConfig(speculative_config=spec, kv_cache_memory=8 * 2**20, show_progress=False,
+                                    seed=1), model=target, model_config=cfg)
+    n = 4000
+    outputs = run(engine, [prompt] * n, [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i)
+                                         for i in range(n)])
+    pairs = torch.tensor([o.outputs[0].token_ids[0] * 16 + o.outputs[0].token_ids[1] for o in outputs])
+    counts = torch.bincount(pairs, minlength=256).float()
+    exp = joint * n
+    keep = exp > 5
+    chi2 = (((counts - exp) ** 2) / exp)[keep].sum().item()
+    dof = int(keep.sum()) - 1
+    assert chi2 < dof + 6 * math.sqrt(2 * dof)
+    stats = engine.get_stats()
+    assert stats.spec_verifications >= n and 0 < stats.spec_acceptance_rate < 0.9
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks

@@ -189,7 +189,7 @@ class Drafter:
         greedy = [r.params.greedy or r.params.top_k == 1 for r in reqs]
         rows = torch.tensor([r.row for r in reqs], device=self.device)
         tokens = last_token.index_select(0, rows)
-        out: list[torch.Tensor] = []
+        out: list[tuple[list[int], torch.Tensor]] = []  # per draft position: (active requests, their tokens)
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         active = list(range(len(reqs)))
         for j in range(max(limits)):
