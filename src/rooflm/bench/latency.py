@@ -65,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="none; hf: also time transformers' generate on the same weights and prompts; llama.cpp: time "
                         "llama.cpp (llama-cpp-python, same threads) on the same .gguf file and prompts (batch 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and weights")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="also time the same prompts with this speculative_config (same model, same process) and "
+                        "report the speed-up, acceptance rate and mean accepted length (default: off)")
     add_output_args(p)
     add_yes_arg(p)
     p.add_argument("--profile", nargs="?", const="", default=None, metavar="FILE",
@@ -273,8 +276,10 @@ def run(args: argparse.Namespace) -> int:
     before = copy.copy(engine.get_stats())  # the live roofline of the timed iterations only
     iters = []
     last_prompts = None
+    timed_prompts = []
     for _ in range(args.num_iters):
         last_prompts = prompts()
+        timed_prompts.append(last_prompts)
         iters.append(_one_iteration(engine, last_prompts, L_out))
     live = roofline_summary(engine.get_stats(), since=before)
     med = {k: statistics.median(it[k] for it in iters) for k in ("ttft_s", "tpot_s", "e2e_s")}
@@ -312,6 +317,11 @@ def run(args: argparse.Namespace) -> int:
     except Exception:  # noqa: BLE001 - triton missing: nothing to report
         pass
 
+    if getattr(args, "speculative_config", None):
+        from rooflm.bench.speculative import latency_comparison
+
+        res["speculative"] = latency_comparison(engine, args.speculative_config, timed_prompts, iters, L_out,
+                                                _one_iteration, res)
     if args.baseline == "hf":
         t0 = time.perf_counter()
         hf = build_hf_model(engine)
@@ -457,3 +467,7 @@ def _profile(engine, prompts: list[list[int]], table_path: str, trace_path: str 
 def _print(r: dict) -> None:
     for line in latency_lines(r):
         print(line)
+    if "speculative" in r:
+        from rooflm.bench.speculative import latency_line
+
+        print(latency_line(r["speculative"]))

@@ -9,7 +9,8 @@ Tasks (prompts built from the public-domain text shipped with rooflm):
 Each mode runs the same prompts, ``--batch-size`` at a time, greedy with EOS ignored, after one warm-up request.
 Reported: output tokens/s of both modes and their ratio, whether the greedy tokens are identical (they must be),
 the acceptance rate and mean accepted length, and the speed-up the roofline predicts for that acceptance rate (a
-verify step of k + 1 tokens per request against a plain decode step, both at the prompts' mean context).
+verify step of k + 1 tokens per request, plus a draft model's k steps, against a plain decode step, both at the
+prompts' mean context). Any ``method`` works: ``ngram``, ``draft_model`` and ``self``.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (float32 on the CPU, bfloat16 on CUDA), float16, "
                    "bfloat16, float32")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+    p.add_argument("--quantization", default=None,
+                   help="none | w8a16 | w4a16 | gguf | ... (default: what the checkpoint holds)")
     p.add_argument("--task", choices=["repeat", "continue"], default="repeat",
                    help="repeat: prompts that ask to copy a text (drafts match often); continue: free continuation")
     p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}',
@@ -61,7 +64,7 @@ def _run_mode(args: argparse.Namespace, prompts: list[list[int]], spec: str | No
     from rooflm.sampling_params import SamplingParams
 
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-              speculative_config=spec, show_progress=False)
+              speculative_config=spec, show_progress=False, quantization=getattr(args, "quantization", None))
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     before = llm.engine.get_stats()
@@ -87,8 +90,11 @@ def _run_mode(args: argparse.Namespace, prompts: list[list[int]], spec: str | No
         b = args.batch_size
         plain = llm.engine.roofline.predict([1] * b, [ctx] * b, b)
         verify = llm.engine.roofline.predict([k + 1] * b, [ctx + k] * b, b * (k + 1))
+        # a draft model's k single-token steps: each about its share of the target's weight bytes of a decode step
+        draft = llm.engine.proposer.draft_cost * k * plain
         res["roofline_verify_over_decode"] = verify / plain
-        res["predicted_speedup"] = expected_tokens(k, res["acceptance_rate"]) * plain / verify
+        res["draft_over_decode"] = draft / plain
+        res["predicted_speedup"] = expected_tokens(k, res["acceptance_rate"]) * plain / (verify + draft)
     return res
 
 
@@ -124,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
           f"   greedy tokens identical: {res['identical_tokens']}")
     if spec["acceptance_rate"] is not None:
         print(f"  acceptance {spec['acceptance_rate']:.1%}, mean accepted length {spec['mean_accepted_length']:.2f}; "
-              f"roofline: a verify step costs {spec['roofline_verify_over_decode']:.2f}x a decode step, predicted "
+              f"roofline: a verify step costs {spec['roofline_verify_over_decode']:.2f}x a decode step, drafting "
+              f"{spec['draft_over_decode']:.2f}x, predicted "
               f"speed-up {spec['predicted_speedup']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
@@ -186,3 +193,46 @@ def verify_cost(model_name: str, load_format: str, dtype: str, batch_sizes: list
             print(f"  batch {b:3d}  k={k}: verify {times[k] * 1e3:8.3f} ms / decode {times[0] * 1e3:8.3f} ms = "
                   f"{times[k] / times[0]:.3f}  (roofline {predicted:.3f})")
     return rows
+
+
+def latency_comparison(engine, spec: str, prompts: list[list[list[int]]], plain_iters: list[dict], output_len: int,
+                       one_iteration, plain: dict) -> dict:
+    """``rooflm bench latency --speculative-config``: the timed iterations again (the same prompts) on a second engine
+    over the same loaded model with ``spec``; medians, the speed-up over the plain run, acceptance and mean accepted
+    length, and whether the greedy tokens are identical."""
+    import dataclasses
+    import statistics
+
+    from rooflm.engine.engine import LLMEngine
+
+    c = engine.config
+    # a draft model's pool takes blocks of its own beside the target's: room for the same tokens
+    kv = c.kv_cache_memory if c.kv_cache_memory is None or "draft_model" not in spec else 2 * c.kv_cache_memory
+    config = dataclasses.replace(c, speculative_config=spec, async_scheduling=False, kv_cache_memory=kv)
+    spec_engine = LLMEngine(config, model=engine.model, model_config=engine.model_config, tokenizer=engine.tokenizer)
+    one_iteration(spec_engine, prompts[0], min(output_len, 16))  # warm-up
+    before = spec_engine.get_stats()
+    base = (before.spec_draft_tokens, before.spec_accepted_tokens, before.spec_verifications)
+    iters = [one_iteration(spec_engine, p, output_len) for p in prompts]
+    s = spec_engine.get_stats()
+    drafts, accepted, verifications = (s.spec_draft_tokens - base[0], s.spec_accepted_tokens - base[1],
+                                       s.spec_verifications - base[2])
+    tpot = statistics.median(it["tpot_s"] for it in iters)
+    e2e = statistics.median(it["e2e_s"] for it in iters)
+    batch = len(prompts[0])
+    return {"speculative_config": json.loads(spec) if isinstance(spec, str) else spec,
+            "tpot_s": tpot, "decode_tok_s": batch / tpot, "e2e_tok_s": batch * output_len / e2e,
+            "speedup_decode": plain["tpot_s"] / tpot, "speedup_e2e": plain["e2e_s"] / e2e,
+            "draft_tokens": drafts, "acceptance_rate": accepted / drafts if drafts else None,
+            "mean_accepted_length": 1 + accepted / verifications if verifications else None,
+            "spec_steps_disabled": s.spec_steps_disabled,
+            "identical_tokens": [it["tokens"] for it in iters] == [it["tokens"] for it in plain_iters]}
+
+
+def latency_line(r: dict) -> str:
+    acc = (f"acceptance {r['acceptance_rate']:.1%}, mean accepted length {r['mean_accepted_length']:.2f}"
+           if r["acceptance_rate"] is not None else "no drafts verified")
+    return (f"  speculative {r['speculative_config']}: decode {r['decode_tok_s']:.1f} tok/s "
+            f"({r['speedup_decode']:.2f}x plain), end-to-end {r['e2e_tok_s']:.1f} tok/s ({r['speedup_e2e']:.2f}x); "
+            f"{acc}; {r['spec_steps_disabled']} steps without drafts (roofline switch-off); greedy tokens "
+            f"identical: {r['identical_tokens']}")

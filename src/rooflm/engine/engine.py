@@ -104,6 +104,10 @@ class LLMEngine:
         # a quantized model's bound is for the bytes its packed weights (and its cache) really take
         self.roofline = LiveRoofline.for_engine(cfg, self.dtype, self.device, kv_dtype=self.kv_dtype,
                                                 weight_format=weight_format(self.model))
+        from rooflm.spec_decode.config import SpeculativeConfig
+
+        self.spec_config = SpeculativeConfig.parse(config.speculative_config)
+        self._draft, self._draft_block_bytes = self._load_draft(cfg)
         num_blocks = self._num_blocks(cfg)
         self.max_model_len = self._max_model_len(cfg, num_blocks)
         self.eos_token_ids = self._eos_ids(cfg)
@@ -117,15 +121,15 @@ class LLMEngine:
         per_block = kv_bytes_per_block(cfg, config.block_size, self.dtype, config.kv_cache_dtype)
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
-        from rooflm.spec_decode.config import SpeculativeConfig
         from rooflm.spec_decode.proposer import SpeculativeProposer
 
-        self.spec_config = SpeculativeConfig.parse(config.speculative_config)
         self.proposer = None
         if self.spec_config is not None:
             # Drafts are proposed from the tokens of the step just read back, so steps cannot overlap.
             self.async_scheduling = False
             self.proposer = SpeculativeProposer(self.spec_config, self.roofline, self.max_model_len)
+            if self.spec_config.method != "ngram":
+                self._make_drafter(num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB of %s), at most %d tokens; max_model_len=%d; "
                     "%s on %s%s", num_blocks, config.block_size, num_blocks * per_block / 2**20,
                     _kv_dtype_text(config.kv_cache_dtype, self.kv_dtype), num_blocks * config.block_size,
@@ -150,11 +154,33 @@ class LLMEngine:
         return self.structured
 
     # -- set-up ---------------------------------------------------------------------------------------------------------
+    def _load_draft(self, cfg: ModelConfig) -> tuple[Any, int]:
+        """The draft model of ``speculative_config`` method "draft_model" and its KV bytes per block (else None, 0)."""
+        if self.spec_config is None or self.spec_config.method != "draft_model":
+            return None, 0
+        from rooflm.spec_decode.drafter import draft_bytes_per_block, load_draft_model
+
+        c = self.config
+        draft = load_draft_model(self.spec_config, cfg, self.device, self.dtype, c.quantization, c.ops,
+                                 c.attention_backend, c.seed)
+        return draft, draft_bytes_per_block(draft[1], c.block_size, self.dtype, c.kv_cache_dtype)
+
+    def _make_drafter(self, num_blocks: int) -> None:
+        from rooflm.spec_decode.drafter import Drafter
+
+        drafter = Drafter(self.spec_config, self.model, self.model_config, self.runner.kv_caches, num_blocks,
+                          self.config.block_size, self.device, self.dtype, self.max_model_len,
+                          self.config.kv_cache_dtype, self._draft)
+        self.runner.drafter = drafter
+        self.scheduler.num_lookahead_tokens = self.spec_config.num_speculative_tokens
+        self.proposer.draft_cost = drafter.cost_fraction
+
     def _num_blocks(self, cfg: ModelConfig) -> int:
         c = self.config
         if c.num_gpu_blocks_override is not None:
             return c.num_gpu_blocks_override
-        per_block = kv_bytes_per_block(cfg, c.block_size, self.dtype, c.kv_cache_dtype)
+        # a draft model's pool has as many blocks as the target's (they share the block tables)
+        per_block = kv_bytes_per_block(cfg, c.block_size, self.dtype, c.kv_cache_dtype) + self._draft_block_bytes
         budget = c.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":
@@ -276,6 +302,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if self.structured is not None and not out.is_empty:
             self.structured.attach_bitmask(out)
+        if self.runner.drafter is not None:
+            self.runner.drafter.enabled = self.proposer.drafting
         if not out.is_empty:
             launched = time.perf_counter()
             self._in_flight.append((out, self.runner.execute(out), launched))
@@ -293,6 +321,8 @@ class LLMEngine:
                               list(done_out.num_computed_tokens_after.values()),
                               len(done_out.sampling_req_ids), done - max(launched, self._last_done))
         self._last_done = done
+        if self.proposer is not None:
+            self.proposer.receive(result.draft_token_ids)
         core_outputs = self.scheduler.update_from_output(done_out, result)
         if self.structured is not None:
             self.structured.accept(core_outputs)

@@ -83,6 +83,8 @@ class ModelRunnerOutput:
     sampled_logprobs: list[float | None] = field(default_factory=list)
     # req_id -> [(prompt position, {token_id: logprob})] for the prompt positions computed this step.
     prompt_logprobs: dict[str, list[tuple[int, dict[int, float]]]] = field(default_factory=dict)
+    # Speculative decoding with a draft model: req_id -> draft tokens proposed after this step, for the next one.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

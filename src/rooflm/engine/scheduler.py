@@ -57,6 +57,9 @@ class Scheduler:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verifications = 0
+        # Slots a step that samples reserves past its tokens: a draft model writes the KV of its k drafts there right
+        # after the step (vLLM's lookahead slots); the next step recomputes those positions.
+        self.num_lookahead_tokens = 0
 
     # -- requests -----------------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -110,6 +113,12 @@ class Scheduler:
         return ((p.max_tokens is not None and req.num_output_tokens >= p.max_tokens)
                 or req.num_tokens >= self.config.max_model_len)
 
+    def _slots(self, req: Request, end: int) -> int:
+        """KV slots a step computing up to ``end`` needs: with lookahead for a draft when the step samples."""
+        if self.num_lookahead_tokens and end >= req.num_tokens:
+            return max(end, min(end + self.num_lookahead_tokens, self.config.max_model_len))
+        return end
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         chosen: dict[str, int] = {}  # req_id -> number of new tokens, in batch order
@@ -131,7 +140,7 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens,
-                                             req.num_computed_tokens + num_new):
+                                             self._slots(req, req.num_computed_tokens + num_new)):
                 victim = self.policy.victim(self.running)
                 budget += self._evict(victim, chosen, preempted, spec_used)
                 if victim is req:
@@ -180,7 +189,7 @@ class Scheduler:
                 hashes = req.update_block_hashes(self.kv.block_size)
                 hits, num_cached = self.kv.get_computed_blocks_by_hash(hashes, req.num_tokens, record=False)
             num_new = min(req.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(req.request_id, num_cached, num_cached + num_new, hits):
+            if not self.kv.allocate_slots(req.request_id, num_cached, self._slots(req, num_cached + num_new), hits):
                 victim = self._victim_for(req)
                 if victim is None:
                     break  # nobody jumps the policy's queue

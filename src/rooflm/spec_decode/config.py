@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model", "self")
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,13 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram: longest n-gram matched (tried first)
     # Switch speculation off for a step when the roofline predicts no gain at the measured acceptance rate.
     auto_disable: bool = True
+    # draft_model: the draft's checkpoint (a path, a named config or None for the embedded default model); it must
+    # share the target's vocabulary. Loaded with ``load_format`` and the engine's dtype and quantization.
+    model: str | None = None
+    load_format: str = "auto"
+    # self: the draft is the target's first ``num_draft_layers`` layers, its final norm and its LM head (Draft & Verify,
+    # Zhang et al. 2023; LayerSkip, Elhoushi et al. 2024). None: half the layers.
+    num_draft_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -26,6 +33,23 @@ class SpeculativeConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"speculative_config.{name}={v!r} is invalid: expected a positive integer")
+        n = self.num_draft_layers
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"speculative_config.num_draft_layers={self.num_draft_layers!r} is invalid: expected a "
+                             "positive integer or None")
+        if self.num_draft_layers is not None and self.method != "self":
+            raise ValueError(f"speculative_config.num_draft_layers={self.num_draft_layers} is only for method 'self', "
+                             f"not {self.method!r}")
+        if self.model is not None and self.method != "draft_model":
+            raise ValueError(f"speculative_config.model={self.model!r} is only for method 'draft_model', "
+                             f"not {self.method!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config.model={self.model!r} is invalid: expected a path or a name")
+        from rooflm.config import LOAD_FORMATS
+
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"speculative_config.load_format={self.load_format!r} is invalid: expected one of "
+                             f"{LOAD_FORMATS}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min={self.prompt_lookup_min} is larger than "
                              f"prompt_lookup_max={self.prompt_lookup_max}")

@@ -6,6 +6,11 @@ the batch is large enough to be compute-bound, the extra tokens cost their full 
 asks the live roofline for the best possible time of a plain decode step and of a verify step of the running batch;
 with the acceptance rate measured so far, a chain of k drafts yields (1 - a^(k+1)) / (1 - a) tokens per verification
 (Leviathan et al. 2023, eq. 1). Drafts are proposed only when that buys more tokens per second than plain decoding.
+A draft model's own k single-token steps are part of the price: about ``draft_cost`` (its share of the target's
+weight bytes, what a memory-bound decode step reads) of a plain decode step each.
+
+With a draft model (``draft_model``, ``self``) the drafts are made in the model runner after each step and come back
+with its output (``receive``); here they are only handed to the requests that may verify them.
 """
 from __future__ import annotations
 
@@ -47,6 +52,14 @@ class SpeculativeProposer:
         self.roofline = roofline
         self.max_model_len = max_model_len
         self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.model_based = config.method != "ngram"
+        self.draft_cost = 0.0  # a draft step's cost over a plain decode step (set by the engine for draft models)
+        self.pending: dict[str, list[int]] = {}  # drafts made by the runner after the last step
+        self.drafting = True  # whether the last decision wants drafts (the runner skips drafting otherwise)
+
+    def receive(self, drafts: dict[str, list[int]]) -> None:
+        """The draft tokens the runner proposed after the step just read back (each continues its request)."""
+        self.pending = dict(drafts)
 
     def pays(self, decodes: list["Request"], acceptance: float) -> bool:
         """Whether verifying k drafts per request beats plain decoding on the roofline, at this acceptance rate."""
@@ -57,17 +70,21 @@ class SpeculativeProposer:
         n = len(decodes)
         plain = self.roofline.predict([1] * n, ctx, n)
         verify = self.roofline.predict([k + 1] * n, [c + k for c in ctx], n * (k + 1))
-        return verify / expected_tokens(k, acceptance) < plain
+        return (verify + k * self.draft_cost * plain) / expected_tokens(k, acceptance) < plain
 
     def propose(self, running: list["Request"], stats: "EngineStats") -> None:
         """Set ``spec_token_ids`` on the running requests that get drafts this step."""
-        self.ngram.retain({r.request_id for r in running})
+        pending, self.pending = self.pending, {}
+        self.drafting = True
+        if not self.model_based:
+            self.ngram.retain({r.request_id for r in running})
         decodes = [r for r in running if eligible(r)]
         if not decodes:
             return
         acceptance = stats.spec_acceptance_rate
         if self.config.auto_disable and not self.pays(decodes, _PRIOR_ACCEPTANCE if acceptance is None else acceptance):
             stats.spec_steps_disabled += 1
+            self.drafting = False
             return
         k = self.config.num_speculative_tokens
         for req in decodes:
@@ -75,5 +92,7 @@ class SpeculativeProposer:
             limit = min(k, self.max_model_len - req.num_tokens - 1)
             if p.max_tokens is not None:
                 limit = min(limit, p.max_tokens - req.num_output_tokens - 1)
-            if limit >= 1:
+            if limit >= 1 and self.model_based:
+                req.spec_token_ids = pending.get(req.request_id, [])[:limit]
+            elif limit >= 1:
                 req.spec_token_ids = self.ngram.propose(req.all_token_ids, limit, req.request_id)

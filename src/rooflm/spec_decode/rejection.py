@@ -12,6 +12,10 @@ target's own, so every step yields between 1 and k_r + 1 tokens:
   renormalised; when every draft token is accepted it is drawn from p at position k_r. Each output token then follows
   the target distribution p exactly.
 
+A draft model proposes by sampling from its own distribution q (``draft_probs``): x_j is then accepted with
+probability min(1, p(x_j) / q(x_j)) and the extra token at the first rejection is drawn from max(p - q, 0),
+renormalised; the deterministic case above is q = one-hot(x_j). Greedy rows ignore q.
+
 ``p`` is the distribution the sampler itself draws from (temperature, min_p, top-k, top-p: ``target_probs``).
 Seeded requests draw their uniforms and exponentials from their own generator, k_r + (k_r + 1)·V numbers per step,
 so their tokens do not depend on the batch around them.
@@ -24,9 +28,11 @@ from rooflm.layers.sampler import SamplingMetadata, target_probs
 
 
 def verify(logits: torch.Tensor, draft: list[list[int]], md: SamplingMetadata, greedy: list[bool],
-           generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+           generators: list[torch.Generator | None],
+           draft_probs: list[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits`` [S, V]: request r's k_r + 1 rows, request after request (S = sum of k_r + 1); ``md``: the sampling
-    metadata of those S rows (each request's parameters repeated; its generators are not used). Returns
+    metadata of those S rows (each request's parameters repeated; its generators are not used); ``draft_probs``: per
+    request None (a deterministic proposer) or the [>= k_r, V] distributions its draft tokens were drawn from. Returns
     (tokens [R, K + 1] int64, -1 after each request's last output token; num_accepted [R] int64), K = max k_r."""
     device = logits.device
     r_n = len(draft)
@@ -62,10 +68,22 @@ def verify(logits: torch.Tensor, draft: list[list[int]], md: SamplingMetadata, g
             if g is not None and not greedy[r]:  # host ints: views, no sync
                 u[r, :lens[r]] = torch.rand(lens[r], device=device, generator=g)
                 noise[r, :lens[r] + 1].exponential_(generator=g)
-        residual = probs.clone()
-        residual[:, :k_max].scatter_(2, x.unsqueeze(2), 0.0)  # p with the draft token removed (row k_r untouched)
-        residual = torch.where(draft_valid.unsqueeze(2), residual[:, :k_max], probs[:, :k_max])
-        residual = torch.cat([residual, probs[:, k_max:]], dim=1)
+        if draft_probs is not None and any(q is not None for q in draft_probs):
+            q = torch.zeros(r_n, k_max, v, dtype=probs.dtype, device=device)
+            q.scatter_(2, x.unsqueeze(2), 1.0)  # deterministic proposers: q = one-hot(x)
+            for r, qr in enumerate(draft_probs):
+                if qr is not None and not greedy[r]:
+                    q[r, :lens[r]] = qr[:lens[r]].to(probs.dtype)
+            q_x = q.gather(2, x.unsqueeze(2)).squeeze(2)
+            residual = (probs[:, :k_max] - q).clamp_(min=0.0)  # max(p - q, 0)
+            empty = residual.sum(dim=2, keepdim=True) <= 0  # p == q: a rejection has probability 0 there
+            residual = torch.where(empty, probs[:, :k_max], residual)
+            p_x = p_x / q_x.clamp(min=torch.finfo(q_x.dtype).tiny)  # min(1, p / q) is compared with u below
+        else:
+            residual = probs[:, :k_max].clone()
+            residual.scatter_(2, x.unsqueeze(2), 0.0)  # p with the draft token removed
+        residual = torch.where(draft_valid.unsqueeze(2), residual, probs[:, :k_max])
+        residual = torch.cat([residual, probs[:, k_max:]], dim=1)  # row k_r: the extra token after a full chain
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         sampled = (residual / noise).argmax(dim=-1)  # [R, K+1]
         is_greedy = greedy_t.bool()

@@ -43,8 +43,10 @@ class StepHandle:
                  lp_ids: torch.Tensor | None, lp_vals: torch.Tensor | None, want_logprobs: list[int | None],
                  prompt_lp: list[tuple[str, list[int], int, torch.Tensor, torch.Tensor]], device: torch.device,
                  spec_ids: list[str] = (), spec_tokens: torch.Tensor | None = None,
-                 spec_accepted: torch.Tensor | None = None, on_spec=None) -> None:
+                 spec_accepted: torch.Tensor | None = None, on_spec=None,
+                 drafts: dict[str, list[int]] | None = None) -> None:
         self.req_ids = req_ids
+        self._drafts = drafts or {}
         self._plain_ids = plain_ids
         self._spec_ids = list(spec_ids)
         self._want = want_logprobs
@@ -76,7 +78,7 @@ class StepHandle:
             for rid, row, a in zip(self._spec_ids, self._spec_tokens.tolist(), accepted):
                 tokens[rid] = row[:a + 1]
             self._on_spec(self._spec_ids, accepted)
-        out = ModelRunnerOutput(self.req_ids, [tokens[rid] for rid in self.req_ids])
+        out = ModelRunnerOutput(self.req_ids, [tokens[rid] for rid in self.req_ids], draft_token_ids=self._drafts)
         if self._lp_ids is not None:
             dicts = logprobs_to_dicts(self._lp_ids, self._lp_vals, [k or 0 for k in self._want])
             chosen = self._lp_vals[:, 0].tolist()
@@ -122,6 +124,7 @@ class ModelRunner:
         self._pin = device.type == "cuda"  # pinned host buffers for the per-step inputs
         self.num_block_copies = 0
         self.graph_runner = None  # decode CUDA graphs (worker/cuda_graphs.py), set by capture_graphs()
+        self.drafter = None  # a model-based speculative proposer (spec_decode/drafter.py), set by the engine
 
     def capture_graphs(self, max_num_seqs: int) -> None:
         """Capture decode CUDA graphs (the runner's one graph-or-eager choice is made per step in ``execute``)."""
@@ -135,6 +138,8 @@ class ModelRunner:
             self.batch.remove(rid)
         for rid in out.preempted_req_ids:
             self.batch.remove(rid)
+        if self.drafter is not None:
+            self.drafter.forget(out.finished_req_ids | out.preempted_req_ids)
         for new in out.new_reqs:
             self.batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.params, new.generator,
                            new.block_ids, new.num_computed_tokens)
@@ -220,7 +225,8 @@ class ModelRunner:
         self.num_block_copies += len(pairs)
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        for cache in self.kv_caches:
+        extra = self.drafter.kv_caches if self.drafter is not None and self.drafter.owns_cache else []
+        for cache in self.kv_caches + extra:
             copy_blocks(cache, src, dst)
 
     # -- one step -----------------------------------------------------------------------------------------------------
@@ -235,6 +241,8 @@ class ModelRunner:
             graph_logits = self.graph_runner.logits  # [num_seqs, vocab]: the LM head is in the graph too
         else:
             hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
+        if self.drafter is not None:
+            self.drafter.mirror(ids, pos, meta)
         prompt_lp = self._prompt_logprobs(states, out, hidden, meta)
 
         sample_set = set(out.sampling_req_ids)
@@ -259,10 +267,27 @@ class ModelRunner:
                 st.num_tokens += 1
             self.batch.record_sampled(rows, so.sampled_token_ids, penalty_rows, penalty_index)
         spec_out = self._verify(spec, out, hidden, spec_idx) if spec else (None, None)
+        drafts = self._draft(plain, spec, spec_out[1]) if self.drafter is not None else None
         return StepHandle(req_ids, [s.req_id for s in plain], so.sampled_token_ids if so else None,
                           so.logprob_token_ids if so else None, so.logprobs if so else None,
                           [s.params.logprobs for s in plain], prompt_lp, self.device,
-                          [s.req_id for s in spec], spec_out[0], spec_out[1], self._spec_verified)
+                          [s.req_id for s in spec], spec_out[0], spec_out[1], self._spec_verified, drafts)
+
+    def _draft(self, plain: list[CachedRequestState], spec: list[CachedRequestState],
+               accepted: torch.Tensor | None) -> dict[str, list[int]]:
+        """Draft tokens for the next step, from the tokens this step produced (waits for the verification)."""
+        from rooflm.spec_decode.drafter import DraftRequest, draftable
+
+        newest = [(s, s.num_tokens - 1) for s in plain]  # num_tokens already counts the sampled token
+        if spec:
+            newest += [(s, s.num_tokens + a) for s, a in zip(spec, accepted.tolist())]
+        reqs = []
+        for s, p in newest:
+            outputs = p + 1 - s.num_prompt_tokens  # output tokens once this step's are counted
+            if draftable(s.params) and outputs >= s.params.min_tokens:
+                left = None if s.params.max_tokens is None else s.params.max_tokens - outputs - 1
+                reqs.append(DraftRequest(s.req_id, s.row, p, s.block_ids, s.params, s.generator, left))
+        return self.drafter.propose(reqs, self.batch.last_token)
 
     def _verify(self, spec: list[CachedRequestState], out: SchedulerOutput, hidden: torch.Tensor,
                 spec_idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,7 +300,9 @@ class ModelRunner:
         md = SamplingMetadata.from_params(params, [[]] * len(params), [[]] * len(params), [None] * len(params),
                                           self.device)
         greedy = [s.params.greedy or s.params.top_k == 1 for s in spec]
-        tokens, accepted = verify(logits, drafts, md, greedy, [s.generator for s in spec])
+        q = ([self.drafter.draft_probs(s.req_id, d) for s, d in zip(spec, drafts)] if self.drafter is not None
+             else None)
+        tokens, accepted = verify(logits, drafts, md, greedy, [s.generator for s in spec], q)
         for s, d in zip(spec, drafts):
             s.pending_spec = d
         rows = torch.tensor([s.row for s in spec], device=self.device)
