@@ -255,8 +255,15 @@ class EngineConfig:
     # checkpoint holds: float, GPTQ/AWQ, or a GGUF file kept quantized), "none", "w8a16", "w4a16", "gptq", "awq",
     # "gguf", "fp8".
     quantization: str | None = None
+    # Tensor parallelism (Megatron-LM's layout, vLLM's name): the model's heads, MLP columns and vocabulary split
+    # over this many processes (rank 0 is the calling process; the others are started by the engine). NCCL on CUDA
+    # devices 0..N-1, gloo on the CPU. See docs/distributed.md.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise _bad("EngineConfig", "tensor_parallel_size", tp, "a positive integer")
         if self.load_format not in LOAD_FORMATS:
             raise _bad("EngineConfig", "load_format", self.load_format, f"one of {LOAD_FORMATS}")
         if self.dtype not in ("auto",) + SUPPORTED_DTYPES:

@@ -1,0 +1,25 @@
+"""Bring an ``LLMEngine`` up inside a tensor-parallel group (kept out of the engine module: it only runs at N > 1)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rooflm.config import EngineConfig
+    from rooflm.engine.engine import LLMEngine
+
+
+def init_parallel_engine(engine: "LLMEngine", config: "EngineConfig", model: Any, model_config: Any,
+                         tokenizer: Any) -> None:
+    """Start the workers and join their group (``MultiprocExecutor``), then build ``engine`` as rank 0. A failure
+    anywhere in the set-up stops the workers before it propagates."""
+    from rooflm.distributed.executor import MultiprocExecutor
+
+    if model is not None:
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} loads the model itself, each rank its "
+                         "shard: pass the model by name (config.model), not as a loaded module")
+    engine.parallel = MultiprocExecutor(config, engine.device)
+    try:
+        type(engine).__init__(engine, config, model=None, model_config=model_config, tokenizer=tokenizer)
+    except BaseException:
+        engine.parallel.shutdown()
+        raise

@@ -1,0 +1,142 @@
+"""Process-group state for tensor parallelism (Megatron-LM, Shoeybi et al. 2019), with vLLM's names.
+
+One process per rank. ``init_distributed`` joins the group and records this rank; the layers read
+``get_tp_size()`` / ``get_tp_rank()`` when they are built, to allocate only their shard, and call the
+communication ops below in ``forward``. Without an initialised group (the default: one process) the size is 1, the
+rank 0, and every op returns its input unchanged, so single-process code pays nothing.
+
+Two groups cover the same ranks:
+
+- the *device group* (NCCL on CUDA, gloo on the CPU) carries activations: ``tp_all_reduce``, ``tp_all_gather``;
+- the *CPU group* (always gloo) carries pickled Python objects: ``broadcast_object`` (each step's scheduler
+  output) and ``all_reduce_min`` (the KV pool size every rank can afford). Keeping control traffic off NCCL avoids a
+  device synchronisation per message.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelState:
+    world_size: int
+    rank: int
+    device: torch.device
+    backend: str
+    device_group: Any
+    cpu_group: Any
+
+    @property
+    def tp_size(self) -> int:
+        return self.world_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank
+
+
+_STATE: ParallelState | None = None
+
+
+def init_distributed(world_size: int, rank: int, init_method: str, device: torch.device,
+                     timeout_s: float = 600.0) -> ParallelState:
+    """Join the process group of ``world_size`` ranks as ``rank`` (``init_method``: a ``file://`` or ``tcp://`` URL,
+    or ``env://`` under torchrun). NCCL when ``device`` is CUDA, gloo otherwise. ``timeout_s`` bounds every
+    collective, so a rank that stops answering ends the others with an error instead of a hang."""
+    global _STATE
+    if _STATE is not None:
+        raise RuntimeError("the distributed state is already initialised in this process")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is invalid for world_size={world_size}")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank, timeout=timeout)
+    device_group = dist.group.WORLD
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else device_group
+    _STATE = ParallelState(world_size, rank, device, backend, device_group, cpu_group)
+    return _STATE
+
+
+def destroy_distributed() -> None:
+    """Leave the process group (a no-op when none was joined)."""
+    global _STATE
+    if _STATE is None:
+        return
+    _STATE = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def get_state() -> ParallelState | None:
+    return _STATE
+
+
+def get_tp_size() -> int:
+    return 1 if _STATE is None else _STATE.tp_size
+
+
+def get_tp_rank() -> int:
+    return 0 if _STATE is None else _STATE.tp_rank
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of ``x`` over the tensor-parallel ranks (in place; ``x`` itself at size 1). Every rank ends with the
+    same values: the ring algorithms of gloo and NCCL reduce each chunk once and then copy it around."""
+    if _STATE is None or _STATE.tp_size == 1:
+        return x
+    dist.all_reduce(x, group=_STATE.device_group)
+    return x
+
+
+def tp_all_gather(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Concatenate each rank's ``x`` along the last dimension; ``sizes`` lists every rank's width there (they may
+    differ by one when a dimension does not split evenly: the narrow shards are padded for the collective and the
+    padding dropped). ``x`` itself at size 1."""
+    if _STATE is None or _STATE.tp_size == 1:
+        return x
+    width = max(sizes)
+    if x.shape[-1] < width:
+        x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in sizes]
+    dist.all_gather(parts, x, group=_STATE.device_group)
+    return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
+
+
+def broadcast_object(obj: Any = None, src: int = 0) -> Any:
+    """``obj`` from rank ``src`` to every rank (pickled, over the CPU group); returns it on every rank."""
+    if _STATE is None or _STATE.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=_STATE.cpu_group)
+    return box[0]
+
+
+def all_reduce_min(value: int) -> int:
+    """The smallest ``value`` over the ranks (over the CPU group)."""
+    if _STATE is None or _STATE.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_STATE.cpu_group)
+    return int(t.item())
+
+
+def abandon_distributed() -> None:
+    """Leave the process group after a peer died: gloo's teardown is local; an NCCL group is aborted, since a clean
+    NCCL teardown waits for the peers."""
+    global _STATE
+    state, _STATE = _STATE, None
+    if state is None or not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if state.backend == "nccl" and abort is not None:
+        abort()
+    else:
+        dist.destroy_process_group()
