@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", choices=["none", "hf", "llama.cpp"], default="none",
                    help="hf: also time transformers' generate on the same weights and prompts; llama.cpp: time "
                         "llama.cpp (llama-cpp-python, same threads) on the same .gguf file and prompts (batch 1)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many GPUs (or CPU processes); CUDA graphs are off above 1")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--profile", nargs="?", const="", default=None, metavar="FILE",
@@ -235,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens or max(2048, L_in), enable_prefix_caching=False,
         enforce_eager=args.enforce_eager, async_scheduling=_async_flag(args),
         attention_backend=args.attention_backend, seed=args.seed, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
         show_progress=False))
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -17,9 +17,27 @@ def init_parallel_engine(engine: "LLMEngine", config: "EngineConfig", model: Any
     if model is not None:
         raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} loads the model itself, each rank its "
                          "shard: pass the model by name (config.model), not as a loaded module")
+    check_model(config)  # before any process starts
     engine.parallel = MultiprocExecutor(config, engine.device)
     try:
         type(engine).__init__(engine, config, model=None, model_config=model_config, tokenizer=tokenizer)
     except BaseException:
         engine.parallel.shutdown()
         raise
+
+
+def check_model(config: "EngineConfig") -> None:
+    """ValueError naming ``tensor_parallel_size`` when the model cannot be split that way (read from its config
+    alone, without loading weights)."""
+    from rooflm.config import load_model_config
+    from rooflm.distributed.partition import check_tensor_parallel
+    from rooflm.loader import resolve_model
+
+    path, fmt = resolve_model(config.model, config.load_format)
+    if fmt == "gguf":
+        from rooflm.loader.gguf import read_gguf_config
+
+        cfg = read_gguf_config(path)
+    else:
+        cfg = load_model_config(path)
+    check_tensor_parallel(cfg, config.tensor_parallel_size)

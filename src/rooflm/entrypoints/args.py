@@ -16,6 +16,7 @@ _HELP = {
     "max_num_batched_tokens": "token budget of one engine step (chunked prefill)",
     "async_scheduling": "schedule step N+1 while step N runs on the GPU (auto: on for CUDA, off on the CPU)",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV pool",
+    "tensor_parallel_size": "split the model over this many processes: GPUs 0..N-1 (NCCL) or CPU processes (gloo)",
     # rooflm.quantization.config.QUANTIZATION_METHODS, written out so that --help does not import torch
     "quantization": "none | w8a16 | w4a16 | gptq | awq | gguf | fp8: how the projection weights are stored and "
                     "multiplied; unset: what the checkpoint holds (float, GPTQ/AWQ, a GGUF file kept quantized)",
@@ -41,6 +42,10 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true/false)")
 
 
+# vLLM's short spellings of some engine flags
+_SHORT = {"tensor_parallel_size": "-tp"}
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -61,7 +66,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
             parser.add_argument("--no-" + flag[2:], dest=f.name, action="store_const", const=False,
                                 help=f"same as {flag} false")
         else:
-            parser.add_argument(flag, type=kind, default=default, help=help_text)
+            short = (_SHORT[f.name],) if f.name in _SHORT else ()
+            parser.add_argument(*short, flag, type=kind, default=default, help=help_text)
 
 
 def available_cpus() -> int:
