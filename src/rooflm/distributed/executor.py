@@ -86,6 +86,12 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, available_cpus() // world_size)
 
 
+def tp_cuda_graphs() -> bool:
+    """Capture decode CUDA graphs under tensor parallelism (``ROOFLM_TP_CUDA_GRAPHS=1``; off by default): every rank
+    then records its NCCL collectives in its graphs. Off, multi-GPU decode steps launch their kernels one by one."""
+    return os.environ.get("ROOFLM_TP_CUDA_GRAPHS", "0") == "1"
+
+
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker process ended while the engine needed it."""
 
@@ -172,13 +178,15 @@ class MultiprocExecutor:
             pipe.send_bytes(payload)
 
     def _guard(self, fn, *args):
-        """Run ``fn``; a failure while a worker is dead becomes ``WorkerDiedError`` naming it."""
+        """Run ``fn``; a failure while a worker is dead becomes ``WorkerDiedError`` naming it. Any other failure also
+        stops the workers: once one rank missed a step's collectives the ranks are out of step for good (and the
+        workers would wait for rank 0 until the group's timeout)."""
         try:
             return fn(*args)
         except Exception as e:
-            self.check_workers(grace_s=5.0)
-            if self.error is not None:
-                raise WorkerDiedError(self.error) from e
+            self.check_workers(grace_s=5.0)  # raises WorkerDiedError when a worker is gone
+            self.error = f"rank 0 failed ({type(e).__name__}: {e}); the engine stopped the workers"
+            self.shutdown()
             raise
 
     def check_workers(self, grace_s: float = 0.0) -> None:
@@ -213,7 +221,7 @@ class MultiprocExecutor:
                 pass  # that worker is gone already
             pipe.close()
         for p in self.procs:
-            p.join(timeout_s if self.error is None else 1.0)
+            p.join(timeout_s if self.error is None else 1.0)  # after a failure a worker may be inside a collective
         for p in self.procs:
             if p.exitcode is None:
                 p.terminate()

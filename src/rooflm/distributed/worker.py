@@ -11,6 +11,7 @@ tokens). An empty message, or rank 0's end of the pipe closing, ends the loop.
 from __future__ import annotations
 
 import pickle
+import signal
 import sys
 import traceback
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
 def build_runner(config: "EngineConfig", device: torch.device):
     """Load this rank's shard and build its runner, following rank 0's set-up collectives."""
+    from rooflm.distributed.executor import tp_cuda_graphs
     from rooflm.distributed.partition import shard_model_config
     from rooflm.engine.engine import kv_pool_blocks, resolve_dtype
     from rooflm.loader import load_model
@@ -38,8 +40,11 @@ def build_runner(config: "EngineConfig", device: torch.device):
     kv_cfg = shard_model_config(cfg, ps.get_tp_size(), ps.get_tp_rank())
     num_blocks = ps.all_reduce_min(kv_pool_blocks(config, model.eval(), kv_cfg, device, dtype))
     max_model_len, eos_token_ids = ps.broadcast_object(None)
-    return ModelRunner(model, kv_cfg, num_blocks, config.block_size, device, dtype, config.max_num_seqs,
-                       max_model_len, eos_token_ids, kv_cache_dtype=config.kv_cache_dtype)
+    runner = ModelRunner(model, kv_cfg, num_blocks, config.block_size, device, dtype, config.max_num_seqs,
+                         max_model_len, eos_token_ids, kv_cache_dtype=config.kv_cache_dtype)
+    if device.type == "cuda" and not config.enforce_eager and tp_cuda_graphs():
+        runner.capture_graphs(config.max_num_seqs)  # in step with rank 0's capture: the warm-up runs collectives
+    return runner
 
 
 def serve_steps(runner: Any, pipe: Any, device: torch.device) -> None:
@@ -61,6 +66,9 @@ def run_worker(rank: int, world_size: int, init_method: str, config: "EngineConf
     """The worker process's entry point (spawned by ``MultiprocExecutor``)."""
     from rooflm.distributed.executor import threads_per_rank
 
+    # Ctrl-C reaches the whole process group: rank 0 handles it and stops the workers (or, if it dies, its pipe
+    # closes), so a worker ignores it rather than dying mid-collective with a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if device.type == "cpu":
             torch.set_num_threads(threads_per_rank(world_size))

@@ -20,6 +20,7 @@ import torch
 
 from rooflm.attention.kv_quant import kv_storage_dtype
 from rooflm.config import EngineConfig, ModelConfig
+from rooflm.distributed.executor import tp_cuda_graphs
 from rooflm.distributed.partition import shard_model_config
 from rooflm.engine.output_processor import OutputProcessor
 from rooflm.engine.request import Request
@@ -166,7 +167,7 @@ class LLMEngine:
                     _kv_dtype_text(config.kv_cache_dtype, self.kv_dtype), num_blocks * config.block_size,
                     self.max_model_len, str(self.dtype).removeprefix("torch."), self.device,
                     "; asynchronous scheduling" if self.async_scheduling else "")
-        if self.device.type == "cuda" and not config.enforce_eager and self.parallel is None:  # no graphs under TP
+        if self.device.type == "cuda" and not config.enforce_eager and (self.parallel is None or tp_cuda_graphs()):
             self.runner.capture_graphs(config.max_num_seqs)
         self._ids = itertools.count()
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float]] = deque()

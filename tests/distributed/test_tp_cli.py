@@ -1,0 +1,33 @@
+"""The tensor-parallel flags: ``-tp`` / ``--tensor-parallel-size`` on every engine command and on bench latency."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from rooflm.entrypoints.args import add_engine_args, engine_config_from_args
+
+
+@pytest.mark.parametrize("argv", [["-tp", "2"], ["--tensor-parallel-size", "2"]])
+def test_engine_flags_reach_the_config(argv):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_args(argv + ["--threads", "1"]))
+    assert config.tensor_parallel_size == 2
+    assert engine_config_from_args(parser.parse_args(["--threads", "1"])).tensor_parallel_size == 1
+
+
+def test_a_bad_size_from_the_command_line_names_the_field():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    with pytest.raises(ValueError, match="tensor_parallel_size=0"):
+        engine_config_from_args(parser.parse_args(["-tp", "0", "--threads", "1"]))
+
+
+def test_bench_latency_takes_the_flag():
+    from rooflm.bench.latency import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["-tp", "2"]).tensor_parallel_size == 2
+    assert parser.parse_args([]).tensor_parallel_size == 1
