@@ -259,11 +259,18 @@ class EngineConfig:
     # over this many processes (rank 0 is the calling process; the others are started by the engine). NCCL on CUDA
     # devices 0..N-1, gloo on the CPU. See docs/distributed.md.
     tensor_parallel_size: int = 1
+    # Pipeline parallelism: the decoder layers split into this many stages, one process each (not combined with
+    # tensor_parallel_size > 1).
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        tp = self.tensor_parallel_size
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise _bad("EngineConfig", "tensor_parallel_size", tp, "a positive integer")
+        for f in ("tensor_parallel_size", "pipeline_parallel_size"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise _bad("EngineConfig", f, v, "a positive integer")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise _bad("EngineConfig", "pipeline_parallel_size", self.pipeline_parallel_size,
+                       f"1 with tensor_parallel_size={self.tensor_parallel_size} (the two do not combine yet)")
         if self.load_format not in LOAD_FORMATS:
             raise _bad("EngineConfig", "load_format", self.load_format, f"one of {LOAD_FORMATS}")
         if self.dtype not in ("auto",) + SUPPORTED_DTYPES:

@@ -15,8 +15,9 @@ def init_parallel_engine(engine: "LLMEngine", config: "EngineConfig", model: Any
     from rooflm.distributed.executor import MultiprocExecutor
 
     if model is not None:
-        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} loads the model itself, each rank its "
-                         "shard: pass the model by name (config.model), not as a loaded module")
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}, pipeline_parallel_size="
+                         f"{config.pipeline_parallel_size}: the engine loads the model itself, each rank its shard: "
+                         "pass the model by name (config.model), not as a loaded module")
     check_model(config)  # before any process starts
     engine.parallel = MultiprocExecutor(config, engine.device)
     try:
@@ -30,7 +31,7 @@ def check_model(config: "EngineConfig") -> None:
     """ValueError naming ``tensor_parallel_size`` when the model cannot be split that way (read from its config
     alone, without loading weights)."""
     from rooflm.config import load_model_config
-    from rooflm.distributed.partition import check_tensor_parallel
+    from rooflm.distributed.partition import check_pipeline_parallel, check_tensor_parallel
     from rooflm.loader import resolve_model
 
     path, fmt = resolve_model(config.model, config.load_format)
@@ -41,3 +42,4 @@ def check_model(config: "EngineConfig") -> None:
     else:
         cfg = load_model_config(path)
     check_tensor_parallel(cfg, config.tensor_parallel_size)
+    check_pipeline_parallel(cfg, config.pipeline_parallel_size)

@@ -86,10 +86,11 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, available_cpus() // world_size)
 
 
-def tp_cuda_graphs() -> bool:
+def tp_cuda_graphs(config: "EngineConfig") -> bool:
     """Capture decode CUDA graphs under tensor parallelism (``ROOFLM_TP_CUDA_GRAPHS=1``; off by default): every rank
-    then records its NCCL collectives in its graphs. Off, multi-GPU decode steps launch their kernels one by one."""
-    return os.environ.get("ROOFLM_TP_CUDA_GRAPHS", "0") == "1"
+    then records its NCCL collectives in its graphs. Off, multi-GPU decode steps launch their kernels one by one.
+    Never under pipeline parallelism."""
+    return os.environ.get("ROOFLM_TP_CUDA_GRAPHS", "0") == "1" and config.pipeline_parallel_size == 1
 
 
 class WorkerDiedError(RuntimeError):
@@ -102,12 +103,14 @@ class MultiprocExecutor:
     def __init__(self, config: "EngineConfig", device: torch.device, timeout_s: float = 600.0) -> None:
         import torch.multiprocessing as mp
 
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.pp_size = config.pipeline_parallel_size
         if ps.get_state() is not None:
             raise RuntimeError("this process already belongs to a tensor-parallel group: shut the other engine down "
                                "(LLM.shutdown()) before starting another")
         if device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + self.world_size:
-            raise ValueError(f"tensor_parallel_size={self.world_size} needs {self.world_size} CUDA devices from "
+            raise ValueError(f"{self.world_size} ranks (tensor_parallel_size x pipeline_parallel_size) need "
+                             f"{self.world_size} CUDA devices from "
                              f"{device}, this machine has {torch.cuda.device_count()}")
         self.device = rank_device(device, 0)
         self.error: str | None = None
@@ -123,7 +126,7 @@ class MultiprocExecutor:
             recv, send = ctx.Pipe(duplex=False)
             p = ctx.Process(target=run_worker, name=f"rooflm-tp-rank{rank}", daemon=True,
                             args=(rank, self.world_size, init_method, config, rank_device(device, rank), recv,
-                                  timeout_s))
+                                  timeout_s, self.pp_size))
             p.start()
             recv.close()  # the worker holds the reading end; its closing tells a worker rank 0 is gone
             self.procs.append(p)
@@ -132,8 +135,8 @@ class MultiprocExecutor:
         if self.device.type == "cpu":
             torch.set_num_threads(min(torch.get_num_threads(), threads_per_rank(self.world_size)))
         self._join_group(init_method, timeout_s)
-        logger.info("tensor parallelism: %d ranks (%s), workers %s", self.world_size, ps.get_state().backend,
-                    [p.pid for p in self.procs])
+        logger.info("%s parallelism: %d ranks (%s), workers %s", "pipeline" if self.pp_size > 1 else "tensor",
+                    self.world_size, ps.get_state().backend, [p.pid for p in self.procs])
 
     def _join_group(self, init_method: str, timeout_s: float) -> None:
         """Join the group in a helper thread while watching the workers: one that dies before it joins (a failed
@@ -142,7 +145,7 @@ class MultiprocExecutor:
 
         def join() -> None:
             try:
-                ps.init_distributed(self.world_size, 0, init_method, self.device, timeout_s)
+                ps.init_distributed(self.world_size, 0, init_method, self.device, timeout_s, self.pp_size)
             except BaseException as e:  # noqa: BLE001 - handed to the main thread
                 failure.append(e)
 

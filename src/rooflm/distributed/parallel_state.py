@@ -24,35 +24,45 @@ import torch.distributed as dist
 
 @dataclass
 class ParallelState:
+    """This rank's place. Either tensor or pipeline parallelism spans the ranks (not both at once): with
+    ``pp_size == 1`` every rank is a tensor-parallel rank, with ``tp_size == 1`` rank r runs pipeline stage r."""
+
     world_size: int
     rank: int
     device: torch.device
     backend: str
     device_group: Any
     cpu_group: Any
+    pp_size: int = 1
 
     @property
     def tp_size(self) -> int:
-        return self.world_size
+        return self.world_size // self.pp_size
 
     @property
     def tp_rank(self) -> int:
-        return self.rank
+        return self.rank if self.pp_size == 1 else 0
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank if self.pp_size > 1 else 0
 
 
 _STATE: ParallelState | None = None
 
 
 def init_distributed(world_size: int, rank: int, init_method: str, device: torch.device,
-                     timeout_s: float = 600.0) -> ParallelState:
+                     timeout_s: float = 600.0, pp_size: int = 1) -> ParallelState:
     """Join the process group of ``world_size`` ranks as ``rank`` (``init_method``: a ``file://`` or ``tcp://`` URL,
-    or ``env://`` under torchrun). NCCL when ``device`` is CUDA, gloo otherwise. ``timeout_s`` bounds every
+    or ``env://`` under torchrun); ``pp_size``: 1 (tensor parallelism) or ``world_size`` (pipeline stages). NCCL when ``device`` is CUDA, gloo otherwise. ``timeout_s`` bounds every
     collective, so a rank that stops answering ends the others with an error instead of a hang."""
     global _STATE
     if _STATE is not None:
         raise RuntimeError("the distributed state is already initialised in this process")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is invalid for world_size={world_size}")
+    if pp_size not in (1, world_size):
+        raise ValueError(f"pp_size={pp_size} is invalid for world_size={world_size}: expected 1 or {world_size}")
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
@@ -60,7 +70,7 @@ def init_distributed(world_size: int, rank: int, init_method: str, device: torch
     dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank, timeout=timeout)
     device_group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else device_group
-    _STATE = ParallelState(world_size, rank, device, backend, device_group, cpu_group)
+    _STATE = ParallelState(world_size, rank, device, backend, device_group, cpu_group, pp_size)
     return _STATE
 
 
@@ -84,6 +94,32 @@ def get_tp_size() -> int:
 
 def get_tp_rank() -> int:
     return 0 if _STATE is None else _STATE.tp_rank
+
+
+def get_pp_size() -> int:
+    return 1 if _STATE is None else _STATE.pp_size
+
+
+def get_pp_rank() -> int:
+    return 0 if _STATE is None else _STATE.pp_rank
+
+
+def pp_send(x: torch.Tensor, dst: int) -> None:
+    """Send ``x`` to pipeline rank ``dst`` (the receiver knows its shape and dtype)."""
+    dist.send(x.contiguous(), dst, group=_STATE.device_group)
+
+
+def pp_recv(shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+    """Receive a tensor of ``shape`` and ``dtype`` from pipeline rank ``src``, on this rank's device."""
+    x = torch.empty(shape, dtype=dtype, device=_STATE.device)
+    dist.recv(x, src, group=_STATE.device_group)
+    return x
+
+
+def pp_broadcast(x: torch.Tensor, src: int) -> torch.Tensor:
+    """``x`` from rank ``src`` on every rank (in place: the others pass a buffer of the right shape)."""
+    dist.broadcast(x, src, group=_STATE.device_group)
+    return x
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:

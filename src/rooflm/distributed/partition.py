@@ -75,12 +75,27 @@ def head_shard(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> HeadSha
     return HeadShard(q_start, per_rank, q_start // group, 1)
 
 
-def shard_model_config(cfg: ModelConfig, tp: int, rank: int) -> ModelConfig:
-    """``cfg`` with the head counts of one rank (what its KV cache holds); everything else unchanged."""
+def shard_model_config(cfg: ModelConfig, tp: int, rank: int, pp: int = 1) -> ModelConfig:
+    """``cfg`` with the head counts (tensor parallelism) or the decoder layers (pipeline parallelism) of one rank:
+    what its KV cache holds. Everything else unchanged."""
+    if pp > 1:
+        return dataclasses.replace(cfg, num_hidden_layers=shard_range(cfg.num_hidden_layers, pp, rank)[1])
     if tp == 1:
         return cfg
     hs = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads, tp, rank)
     return dataclasses.replace(cfg, num_attention_heads=hs.num_heads, num_key_value_heads=hs.num_kv_heads)
+
+
+def check_pipeline_parallel(cfg: ModelConfig, pp: int) -> None:
+    """ValueError naming ``pipeline_parallel_size`` when ``cfg`` cannot be split into ``pp`` stages."""
+    if pp == 1:
+        return
+    if cfg.is_moe:
+        raise ValueError(f"pipeline_parallel_size={pp}: mixture-of-experts models ({cfg.architecture}) run on one "
+                         "rank only for now")
+    if pp > cfg.num_hidden_layers:
+        raise ValueError(f"pipeline_parallel_size={pp} exceeds the {cfg.num_hidden_layers} decoder layers of "
+                         f"{cfg.name or cfg.architecture}")
 
 
 @dataclass(frozen=True)

@@ -37,12 +37,12 @@ def build_runner(config: "EngineConfig", device: torch.device):
     model, cfg = load_model(config.model, load_format=config.load_format, dtype=dtype, device=device,
                             attn_backend=config.attention_backend, ops=config.ops, seed=config.seed,
                             show_progress=False, quantization=config.quantization)
-    kv_cfg = shard_model_config(cfg, ps.get_tp_size(), ps.get_tp_rank())
+    kv_cfg = shard_model_config(cfg, ps.get_tp_size(), ps.get_state().rank, ps.get_pp_size())
     num_blocks = ps.all_reduce_min(kv_pool_blocks(config, model.eval(), kv_cfg, device, dtype))
     max_model_len, eos_token_ids = ps.broadcast_object(None)
     runner = ModelRunner(model, kv_cfg, num_blocks, config.block_size, device, dtype, config.max_num_seqs,
                          max_model_len, eos_token_ids, kv_cache_dtype=config.kv_cache_dtype)
-    if device.type == "cuda" and not config.enforce_eager and tp_cuda_graphs():
+    if device.type == "cuda" and not config.enforce_eager and tp_cuda_graphs(config):
         runner.capture_graphs(config.max_num_seqs)  # in step with rank 0's capture: the warm-up runs collectives
     return runner
 
@@ -62,7 +62,7 @@ def serve_steps(runner: Any, pipe: Any, device: torch.device) -> None:
 
 
 def run_worker(rank: int, world_size: int, init_method: str, config: "EngineConfig", device: torch.device, pipe: Any,
-               timeout_s: float) -> None:
+               timeout_s: float, pp_size: int = 1) -> None:
     """The worker process's entry point (spawned by ``MultiprocExecutor``)."""
     from rooflm.distributed.executor import threads_per_rank
 
@@ -72,7 +72,7 @@ def run_worker(rank: int, world_size: int, init_method: str, config: "EngineConf
     try:
         if device.type == "cpu":
             torch.set_num_threads(threads_per_rank(world_size))
-        ps.init_distributed(world_size, rank, init_method, device, timeout_s)
+        ps.init_distributed(world_size, rank, init_method, device, timeout_s, pp_size)
         runner = build_runner(config, device)
         serve_steps(runner, pipe, device)
     except BaseException:  # noqa: BLE001 - reported, then the exit code tells rank 0

@@ -103,7 +103,7 @@ class LLMEngine:
 
         self.config = config = config or EngineConfig(**kwargs)
         self.device = resolve_device(config.device)
-        if config.tensor_parallel_size > 1 and not hasattr(self, "parallel"):
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1 and not hasattr(self, "parallel"):
             from rooflm.distributed.engine_setup import init_parallel_engine
 
             # starts the workers, joins their process group, then runs this __init__ again inside it
@@ -135,7 +135,7 @@ class LLMEngine:
         # a quantized model's bound is for the bytes its packed weights (and its cache) really take
         self.roofline = LiveRoofline.for_engine(cfg, self.dtype, self.device, kv_dtype=self.kv_dtype,
                                                 weight_format=weight_format(self.model))
-        kv_cfg = shard_model_config(cfg, config.tensor_parallel_size, 0)  # this rank's KV heads
+        kv_cfg = shard_model_config(cfg, config.tensor_parallel_size, 0, config.pipeline_parallel_size)  # rank 0's KV
         num_blocks = self._num_blocks(kv_cfg)
         if self.parallel is not None:
             num_blocks = self.parallel.agree_num_blocks(num_blocks)
@@ -167,7 +167,7 @@ class LLMEngine:
                     _kv_dtype_text(config.kv_cache_dtype, self.kv_dtype), num_blocks * config.block_size,
                     self.max_model_len, str(self.dtype).removeprefix("torch."), self.device,
                     "; asynchronous scheduling" if self.async_scheduling else "")
-        if self.device.type == "cuda" and not config.enforce_eager and (self.parallel is None or tp_cuda_graphs()):
+        if self.device.type == "cuda" and not config.enforce_eager and (self.parallel is None or tp_cuda_graphs(config)):
             self.runner.capture_graphs(config.max_num_seqs)
         self._ids = itertools.count()
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float]] = deque()

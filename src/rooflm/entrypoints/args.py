@@ -17,6 +17,7 @@ _HELP = {
     "async_scheduling": "schedule step N+1 while step N runs on the GPU (auto: on for CUDA, off on the CPU)",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV pool",
     "tensor_parallel_size": "split the model over this many processes: GPUs 0..N-1 (NCCL) or CPU processes (gloo)",
+    "pipeline_parallel_size": "split the decoder layers into this many stages, one process (GPU) each",
     # rooflm.quantization.config.QUANTIZATION_METHODS, written out so that --help does not import torch
     "quantization": "none | w8a16 | w4a16 | gptq | awq | gguf | fp8: how the projection weights are stored and "
                     "multiplied; unset: what the checkpoint holds (float, GPTQ/AWQ, a GGUF file kept quantized)",
@@ -43,7 +44,7 @@ def _bool(text: str) -> bool:
 
 
 # vLLM's short spellings of some engine flags
-_SHORT = {"tensor_parallel_size": "-tp"}
+_SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:

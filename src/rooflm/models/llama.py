@@ -14,7 +14,10 @@ model was built: build it inside ``rooflm.layers.custom_op.op_selection`` (the l
 Tensor parallelism (``rooflm.distributed``): built inside an initialised process group, each rank holds its share of
 the heads (``qkv_proj`` and ``o_proj``), of the MLP columns (``gate_up_proj`` and ``down_proj``) and of the
 vocabulary; ``o_proj`` and ``down_proj`` are row-parallel and their outputs are summed over the ranks (one
-all-reduce each). At one rank every collective is the identity.
+all-reduce each). Pipeline parallelism (``rooflm.distributed.pipeline``): each rank builds only its stage's layers
+(the others are ``MissingLayer`` placeholders), receives the activations from the previous stage and sends them to the
+next; the first stage embeds, the last normalises and computes the logits, which every stage receives. At one rank
+every collective is the identity.
 """
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ from torch import nn
 
 from rooflm.attention.backend import AttentionMetadata
 from rooflm.config import ModelConfig
-from rooflm.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
+from rooflm.distributed.parallel_state import get_pp_rank, get_pp_size, get_tp_rank, get_tp_size, tp_all_reduce
+from rooflm.distributed.pipeline import (MissingLayer, pp_layer_range, receive_activations, send_activations,
+                                         share_logits)
 from rooflm.distributed.partition import Shard, check_tensor_parallel, head_shard, narrow_weight, shard_range
 from rooflm.layers.activation import SiluAndMulLinear, get_gated_activation
 from rooflm.layers.attention import Attention
@@ -198,32 +203,52 @@ class LlamaModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        n = cfg.num_hidden_layers
+        self.start_layer, self.end_layer = pp_layer_range(n, get_pp_size(), get_pp_rank())  # this stage's layers
+        self.is_first, self.is_last = self.start_layer == 0, self.end_layer == n
+        self.hidden_size = cfg.hidden_size
+        # the last stage keeps the embedding too when the LM head is tied to it
+        keep_embed = self.is_first or (self.is_last and cfg.tie_word_embeddings)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size) if keep_embed else None
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) if self.start_layer <= i < self.end_layer
+                                    else MissingLayer() for i in range(n))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] long
         positions: torch.Tensor,  # [T] long
-        kv_caches: list[torch.Tensor],  # one [2, num_blocks, block_size, num_kv_heads, head_dim] per layer
+        kv_caches: list[torch.Tensor],  # one [2, num_blocks, block_size, num_kv_heads, head_dim] per layer of the stage
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
-        hidden = self.embed_tokens(input_ids)
+    ) -> torch.Tensor:  # [T, hidden] (on a stage before the last: its layers' output, already sent on)
+        if self.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = receive_activations(input_ids.shape[0], self.hidden_size, self.norm.weight.dtype)
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer], kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+        if not self.is_last:
+            send_activations(hidden, residual)
+            return hidden
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
-        t = {f"{prefix}.embed_tokens.weight": WeightTarget(self.embed_tokens.weight, shard=self.embed_tokens.shard),
-             f"{prefix}.norm.weight": WeightTarget(self.norm.weight)}
-        for i, layer in enumerate(self.layers):
-            t.update(layer.weight_targets(f"{prefix}.layers.{i}"))
+        t = {f"{prefix}.norm.weight": WeightTarget(self.norm.weight)}
+        if self.embed_tokens is not None:
+            t[f"{prefix}.embed_tokens.weight"] = WeightTarget(self.embed_tokens.weight, shard=self.embed_tokens.shard)
+        for i in range(self.start_layer, self.end_layer):
+            t.update(self.layers[i].weight_targets(f"{prefix}.layers.{i}"))
         return t
+
+    def other_stage_weight(self, name: str) -> bool:
+        """True for a checkpoint tensor (HF name) that another pipeline stage loads."""
+        if name.startswith("model.layers."):
+            i = int(name.split(".")[2])
+            return not self.start_layer <= i < self.end_layer
+        return name.startswith("model.embed_tokens.") and self.embed_tokens is None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -237,7 +262,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = self.model_class(config)
         tie = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie)
+        # only the last pipeline stage computes logits
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie) if self.model.is_last else None
 
     def forward(
         self,
@@ -249,13 +275,15 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32 (pass only the rows to sample from)."""
-        return self.lm_head(hidden)
+        """[N, hidden] -> [N, vocab] float32 (pass only the rows to sample from). Every pipeline stage gets the last
+        stage's logits."""
+        logits = self.lm_head(hidden) if self.lm_head is not None else None
+        return share_logits(logits, hidden.shape[0], self.config.vocab_size, hidden.device)
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         """Every HF tensor name this model expects, mapped to where it goes."""
         t = self.model.weight_targets("model")
-        if not self.lm_head.tied:
+        if self.lm_head is not None and not self.lm_head.tied:
             t["lm_head.weight"] = WeightTarget(self.lm_head.weight, shard=self.lm_head.shard)
         return t
 
@@ -263,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:
         """Load HF-named tensors (any dtype; cast on copy) or quantized ``PackedWeight``s (kept packed in the
         projections, see ``rooflm.models.weights``). Raises ValueError on a missing tensor or a shape mismatch."""
-        optional = ("lm_head.weight",) if self.lm_head.tied else ()
+        optional = ("lm_head.weight",) if self.lm_head is None or self.lm_head.tied else ()
         load_named_weights(self.weight_targets(), self._packed_tied_head(weights), optional=optional, model=self)
 
     def _packed_tied_head(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]):
@@ -271,7 +299,10 @@ class LlamaForCausalLM(nn.Module):
         ``token_embd`` in its quantized blocks and uses it for both): the tied head then holds that packed weight
         itself, while the embedding keeps the float copy lookups need."""
         for name, tensor in weights:
-            if name == "lm_head.weight" and self.lm_head.tied and isinstance(tensor, PackedWeight):
+            if self.model.other_stage_weight(name):
+                continue
+            if name == "lm_head.weight" and self.lm_head is not None and self.lm_head.tied and isinstance(
+                    tensor, PackedWeight):
                 shard = self.lm_head.shard
                 self.lm_head.set_packed(tensor if shard is None else narrow_weight(tensor, shard, get_tp_rank()))
                 continue
