@@ -27,6 +27,7 @@ def test_tiny_model_pp2_equals_pp1(make_engine, tiny_checkpoint):
     _assert_same(ref_seeded, run(pp, PROMPTS[:3], seeded), tol=1e-5)
 
 
+@pytest.mark.slow
 def test_default_model_pp2_with_chunked_prefill_equals_pp1(make_engine):
     from rooflm.tokenizer import load_tokenizer
 

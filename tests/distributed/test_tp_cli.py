@@ -8,12 +8,15 @@ import pytest
 from rooflm.entrypoints.args import add_engine_args, engine_config_from_args
 
 
-@pytest.mark.parametrize("argv", [["-tp", "2"], ["--tensor-parallel-size", "2"]])
-def test_engine_flags_reach_the_config(argv):
+@pytest.mark.parametrize("argv,field", [(["-tp", "2"], "tensor_parallel_size"),
+                                        (["--tensor-parallel-size", "2"], "tensor_parallel_size"),
+                                        (["-pp", "2"], "pipeline_parallel_size"),
+                                        (["--pipeline-parallel-size", "2"], "pipeline_parallel_size")])
+def test_engine_flags_reach_the_config(argv, field):
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     config = engine_config_from_args(parser.parse_args(argv + ["--threads", "1"]))
-    assert config.tensor_parallel_size == 2
+    assert getattr(config, field) == 2
     assert engine_config_from_args(parser.parse_args(["--threads", "1"])).tensor_parallel_size == 1
 
 
@@ -30,4 +33,5 @@ def test_bench_latency_takes_the_flag():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert parser.parse_args(["-tp", "2"]).tensor_parallel_size == 2
+    assert parser.parse_args(["-pp", "2"]).pipeline_parallel_size == 2
     assert parser.parse_args([]).tensor_parallel_size == 1

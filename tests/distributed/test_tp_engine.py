@@ -57,6 +57,7 @@ def austen_prompts(data_path) -> list[list[int]]:
     return prompts
 
 
+@pytest.mark.slow
 def test_default_model_tp2_with_prefix_cache_and_chunked_prefill_equals_tp1(make_engine, austen_prompts):
     # prompt logprobs turn the prefix cache off for their request: only the last prompt asks for them
     params = [SamplingParams(max_tokens=8, temperature=0, logprobs=2)] * (len(austen_prompts) - 1)

@@ -13,5 +13,6 @@ LAT="python3 -m rooflm.cli bench latency --model llama-2-13b --load-format dummy
 timeout 300 $LAT --enforce-eager --json "$OUT/lat13b_tp1_eager.json" 2>&1 | tail -15
 timeout 300 $LAT --json "$OUT/lat13b_tp1_graphs.json" 2>&1 | tail -15
 timeout 420 $LAT -tp 2 --json "$OUT/lat13b_tp2.json" 2>&1 | tail -15
+timeout 420 $LAT -pp 2 --json "$OUT/lat13b_pp2.json" 2>&1 | tail -15
 # experimental: decode CUDA graphs with the NCCL collectives recorded in them
 ROOFLM_TP_CUDA_GRAPHS=1 timeout 420 $LAT -tp 2 --json "$OUT/lat13b_tp2_graphs.json" 2>&1 | tail -15

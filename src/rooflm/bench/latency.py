@@ -60,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "llama.cpp (llama-cpp-python, same threads) on the same .gguf file and prompts (batch 1)")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many GPUs (or CPU processes); CUDA graphs are off above 1")
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                   help="split the decoder layers into this many stages, one GPU (or CPU process) each")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--profile", nargs="?", const="", default=None, metavar="FILE",
@@ -238,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager, async_scheduling=_async_flag(args),
         attention_backend=args.attention_backend, seed=args.seed, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         show_progress=False))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
