@@ -19,7 +19,11 @@ def init_parallel_engine(engine: "LLMEngine", config: "EngineConfig", model: Any
                          f"{config.pipeline_parallel_size}: the engine loads the model itself, each rank its shard: "
                          "pass the model by name (config.model), not as a loaded module")
     check_model(config)  # before any process starts
-    engine.parallel = MultiprocExecutor(config, engine.device)
+    from rooflm.distributed.torchrun import TorchrunExecutor, torchrun_env
+
+    env = torchrun_env()
+    engine.parallel = (TorchrunExecutor(config, engine.device, *env) if env is not None
+                       else MultiprocExecutor(config, engine.device))
     try:
         type(engine).__init__(engine, config, model=None, model_config=model_config, tokenizer=tokenizer)
     except BaseException:

@@ -94,7 +94,8 @@ def tp_cuda_graphs(config: "EngineConfig") -> bool:
 
 
 class WorkerDiedError(RuntimeError):
-    """A tensor-parallel worker process ended while the engine needed it."""
+    """A worker process (tensor- or pipeline-parallel rank) ended while the engine needed it, or rank 0 failed in a
+    step: the ranks can no longer run steps together."""
 
 
 class MultiprocExecutor:
@@ -106,13 +107,15 @@ class MultiprocExecutor:
         self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         self.pp_size = config.pipeline_parallel_size
         if ps.get_state() is not None:
-            raise RuntimeError("this process already belongs to a tensor-parallel group: shut the other engine down "
+            raise RuntimeError("this process already belongs to a process group: shut the other engine down "
                                "(LLM.shutdown()) before starting another")
         if device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + self.world_size:
             raise ValueError(f"{self.world_size} ranks (tensor_parallel_size x pipeline_parallel_size) need "
                              f"{self.world_size} CUDA devices from "
                              f"{device}, this machine has {torch.cuda.device_count()}")
         self.device = rank_device(device, 0)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread: the group is joined in another
         self.error: str | None = None
         self._closed = False
         self._store_dir = tempfile.mkdtemp(prefix="rooflm-tp-")
@@ -124,7 +127,7 @@ class MultiprocExecutor:
 
         for rank in range(1, self.world_size):
             recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=run_worker, name=f"rooflm-tp-rank{rank}", daemon=True,
+            p = ctx.Process(target=run_worker, name=f"rooflm-rank{rank}", daemon=True,
                             args=(rank, self.world_size, init_method, config, rank_device(device, rank), recv,
                                   timeout_s, self.pp_size))
             p.start()
@@ -202,7 +205,7 @@ class MultiprocExecutor:
         if self.error is None:
             for rank, p in enumerate(self.procs, start=1):
                 if p.exitcode is not None:
-                    self.error = (f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode} "
+                    self.error = (f"worker rank {rank} (pid {p.pid}) exited with code {p.exitcode} "
                                   "(a negative code is the signal that ended it); the engine stopped the other "
                                   "ranks and cannot continue")
                     break

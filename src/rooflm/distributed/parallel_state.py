@@ -52,10 +52,12 @@ _STATE: ParallelState | None = None
 
 
 def init_distributed(world_size: int, rank: int, init_method: str, device: torch.device,
-                     timeout_s: float = 600.0, pp_size: int = 1) -> ParallelState:
+                     timeout_s: float = 600.0, pp_size: int = 1,
+                     control_timeout_s: float | None = None) -> ParallelState:
     """Join the process group of ``world_size`` ranks as ``rank`` (``init_method``: a ``file://`` or ``tcp://`` URL,
     or ``env://`` under torchrun); ``pp_size``: 1 (tensor parallelism) or ``world_size`` (pipeline stages). NCCL when ``device`` is CUDA, gloo otherwise. ``timeout_s`` bounds every
-    collective, so a rank that stops answering ends the others with an error instead of a hang."""
+    collective, so a rank that stops answering ends the others with an error instead of a hang; ``control_timeout_s``
+    replaces it on the CPU group (a worker that waits there for the next step may wait as long as the engine idles)."""
     global _STATE
     if _STATE is not None:
         raise RuntimeError("the distributed state is already initialised in this process")
@@ -69,7 +71,11 @@ def init_distributed(world_size: int, rank: int, init_method: str, device: torch
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank, timeout=timeout)
     device_group = dist.group.WORLD
-    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else device_group
+    if backend != "gloo" or control_timeout_s is not None:
+        control = timeout if control_timeout_s is None else datetime.timedelta(seconds=control_timeout_s)
+        cpu_group = dist.new_group(backend="gloo", timeout=control)
+    else:
+        cpu_group = device_group
     _STATE = ParallelState(world_size, rank, device, backend, device_group, cpu_group, pp_size)
     return _STATE
 

@@ -14,6 +14,7 @@ import pickle
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,13 +48,14 @@ def build_runner(config: "EngineConfig", device: torch.device):
     return runner
 
 
-def serve_steps(runner: Any, pipe: Any, device: torch.device) -> None:
-    """Execute every step read from ``pipe`` until the stop message (or rank 0's end closes)."""
+def serve_steps(runner: Any, receive: Callable[[], bytes], device: torch.device) -> None:
+    """Execute every step ``receive()`` returns (its pipe's ``recv_bytes``, or a broadcast from rank 0 under
+    torchrun) until the stop message, or until ``EOFError`` (rank 0's end of the pipe closed)."""
     from rooflm.distributed.executor import restore_output
 
     while True:
         try:
-            payload = pipe.recv_bytes()
+            payload = receive()
         except EOFError:
             return  # rank 0 is gone
         if not payload:
@@ -74,7 +76,7 @@ def run_worker(rank: int, world_size: int, init_method: str, config: "EngineConf
             torch.set_num_threads(threads_per_rank(world_size))
         ps.init_distributed(world_size, rank, init_method, device, timeout_s, pp_size)
         runner = build_runner(config, device)
-        serve_steps(runner, pipe, device)
+        serve_steps(runner, pipe.recv_bytes, device)
     except BaseException:  # noqa: BLE001 - reported, then the exit code tells rank 0
         traceback.print_exc()
         sys.stderr.flush()
