@@ -69,7 +69,7 @@ def _packed(bits: int, n: int = 6, k: int = 64, group: int = 16, perm: bool = Fa
 @pytest.mark.parametrize("bits", [4, 8])
 def test_row_cut_of_a_packed_weight_stays_packed_and_exact(bits):
     pw = _packed(bits)
-    part = narrow_packed(pw, Shard(0, 2, 3), rank=1)
+    part = narrow_packed(pw, Shard(0, 2, 3))
     assert isinstance(part, PackedWeight) and part.out_features == 3
     assert torch.equal(dequantize(part), dequantize(pw)[2:5])
 
@@ -77,7 +77,7 @@ def test_row_cut_of_a_packed_weight_stays_packed_and_exact(bits):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_column_cut_on_group_boundaries_stays_packed_and_exact(bits):
     pw = _packed(bits)
-    part = narrow_packed(pw, Shard(1, 16, 32), rank=1)
+    part = narrow_packed(pw, Shard(1, 16, 32))
     assert isinstance(part, PackedWeight) and part.in_features == 32 and part.qweight.is_contiguous()
     assert torch.equal(dequantize(part), dequantize(pw)[:, 16:48])
 
@@ -85,14 +85,13 @@ def test_column_cut_on_group_boundaries_stays_packed_and_exact(bits):
 @pytest.mark.parametrize("shard,perm", [(Shard(1, 8, 32), False), (Shard(1, 16, 32), True)])
 def test_column_cut_across_groups_or_permuted_falls_back_to_float(shard, perm):
     pw = _packed(4, perm=perm)
-    part = narrow_packed(pw, shard, rank=0)
+    part = narrow_packed(pw, shard)
     assert isinstance(part, torch.Tensor)
     assert torch.equal(part, dequantize(pw, dtype=torch.float32).narrow(1, shard.start, shard.size))
 
 
-def test_owner_only_shard_keeps_the_tensor_on_rank_zero_only():
+def test_zero_shard_loads_zeros_of_the_shape():
     from rooflm.distributed.partition import narrow_weight
 
-    bias = torch.arange(4.0)
-    assert torch.equal(narrow_weight(bias, Shard(owner_only=True), 0), bias)
-    assert torch.equal(narrow_weight(bias, Shard(owner_only=True), 1), torch.zeros(4))
+    assert torch.equal(narrow_weight(torch.arange(4.0) + 1, Shard(zero=True)), torch.zeros(4))
+    assert torch.equal(narrow_weight(_packed(8), Shard(zero=True)), torch.zeros(6, 64))

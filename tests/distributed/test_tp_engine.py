@@ -69,3 +69,25 @@ def test_default_model_tp2_with_prefix_cache_and_chunked_prefill_equals_tp1(make
     got = run(tp, austen_prompts, params)
     assert tp.kv.prefix_hits > 0
     _assert_same(ref, got, tol=1e-5)
+
+
+def test_tp2_speculative_decoding_and_preemption_equal_tp1(make_engine, tiny_checkpoint):
+    """Draft tokens verified on every rank (the workers' host bookkeeping of accepted tokens included), and requests
+    preempted and resumed (their generators cross again, as their state) give TP=1's tokens."""
+    repeat = [[3, 4, 5, 6] * 6, [9, 8, 7] * 7]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "auto_disable": False}
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ref = run(make_engine(model=tiny_checkpoint, speculative_config=spec), repeat, greedy)
+    tp = make_engine(model=tiny_checkpoint, speculative_config=spec, tensor_parallel_size=2)
+    got = run(tp, repeat, greedy)
+    assert tp.scheduler.num_draft_tokens > 0
+    assert {r: o.outputs[0].token_ids for r, o in got.items()} == {r: o.outputs[0].token_ids for r, o in ref.items()}
+    tp.shutdown()  # one process group per process: the next engine makes its own
+
+    seeded = [SamplingParams(max_tokens=30, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(PROMPTS))]
+    small = dict(model=tiny_checkpoint, num_gpu_blocks_override=5, max_model_len=64)  # 80 tokens for 5 requests
+    ref = run(make_engine(**small), PROMPTS, seeded)
+    tp = make_engine(**small, tensor_parallel_size=2)
+    got = run(tp, PROMPTS, seeded)
+    assert tp.scheduler.num_preemptions > 0
+    assert {r: o.outputs[0].token_ids for r, o in got.items()} == {r: o.outputs[0].token_ids for r, o in ref.items()}

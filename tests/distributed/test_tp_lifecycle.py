@@ -74,3 +74,18 @@ def test_a_preloaded_model_is_refused_under_tensor_parallelism(tiny_config):
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         LLMEngine(EngineConfig(model=tiny_config, load_format="dummy", tensor_parallel_size=2, device="cpu"),
                   model=model, model_config=cfg)
+
+
+def test_a_one_rank_engine_beside_a_tensor_parallel_one_is_whole(make_engine, tiny_checkpoint):
+    """The process group belongs to the engine that made it: a model built later in the same process at one rank
+    holds every weight and never joins the group's collectives."""
+    tp = make_engine(model=tiny_checkpoint, tensor_parallel_size=2)
+    one = make_engine(model=tiny_checkpoint)
+    assert (one.model.lm_head.out_features, tp.model.lm_head.out_features) == (131, 66)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for engine in (one, tp, one):
+        engine.add_request("x", [1, 2, 3], params)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        assert len(outs[-1].outputs[0].token_ids) == 6

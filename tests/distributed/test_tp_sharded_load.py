@@ -19,7 +19,8 @@ def _load_as_rank(monkeypatch, rank: int):
     state = ps.ParallelState(TP, rank, torch.device("cpu"), "gloo", None, None)
     monkeypatch.setattr(ps, "_STATE", state)
     try:
-        return load_model(None, show_progress=False)[0]
+        with ps.building_sharded_model():
+            return load_model(None, show_progress=False)[0]
     finally:
         monkeypatch.setattr(ps, "_STATE", None)
 

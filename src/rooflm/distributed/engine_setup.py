@@ -12,6 +12,7 @@ def init_parallel_engine(engine: "LLMEngine", config: "EngineConfig", model: Any
                          tokenizer: Any) -> None:
     """Start the workers and join their group (``MultiprocExecutor``), then build ``engine`` as rank 0. A failure
     anywhere in the set-up stops the workers before it propagates."""
+    from rooflm.distributed import parallel_state as ps
     from rooflm.distributed.executor import MultiprocExecutor
 
     if model is not None:
@@ -25,7 +26,8 @@ def init_parallel_engine(engine: "LLMEngine", config: "EngineConfig", model: Any
     engine.parallel = (TorchrunExecutor(config, engine.device, *env) if env is not None
                        else MultiprocExecutor(config, engine.device))
     try:
-        type(engine).__init__(engine, config, model=None, model_config=model_config, tokenizer=tokenizer)
+        with ps.building_sharded_model():
+            type(engine).__init__(engine, config, model=None, model_config=model_config, tokenizer=tokenizer)
     except BaseException:
         engine.parallel.shutdown()
         raise

@@ -1,9 +1,11 @@
 """Process-group state for tensor parallelism (Megatron-LM, Shoeybi et al. 2019), with vLLM's names.
 
-One process per rank. ``init_distributed`` joins the group and records this rank; the layers read
-``get_tp_size()`` / ``get_tp_rank()`` when they are built, to allocate only their shard, and call the
-communication ops below in ``forward``. Without an initialised group (the default: one process) the size is 1, the
-rank 0, and every op returns its input unchanged, so single-process code pays nothing.
+One process per rank. ``init_distributed`` joins the group and records this rank. The layers read ``get_tp_size()``
+/ ``get_tp_rank()`` (and the pipeline's) when they are built, to allocate only their shard, keep what they read, and
+call the communication ops below in ``forward`` only when their own size is above 1. The getters report the group
+only inside ``building_sharded_model()`` (the engine enters it while it builds and loads the model of a group):
+any other model built in the same process, e.g. a second engine at one rank, is whole and never communicates.
+Without an initialised group (the default: one process) the sizes are 1 and the ranks 0.
 
 Two groups cover the same ranks:
 
@@ -14,7 +16,9 @@ Two groups cover the same ranks:
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +53,18 @@ class ParallelState:
 
 
 _STATE: ParallelState | None = None
+_BUILDING = False  # inside building_sharded_model()
+
+
+@contextlib.contextmanager
+def building_sharded_model() -> Iterator[None]:
+    """Models built (and loaded) inside take their shard of the process group's ranks."""
+    global _BUILDING
+    before, _BUILDING = _BUILDING, True
+    try:
+        yield
+    finally:
+        _BUILDING = before
 
 
 def init_distributed(world_size: int, rank: int, init_method: str, device: torch.device,
@@ -94,20 +110,24 @@ def get_state() -> ParallelState | None:
     return _STATE
 
 
+def _sharding() -> bool:
+    return _STATE is not None and _BUILDING
+
+
 def get_tp_size() -> int:
-    return 1 if _STATE is None else _STATE.tp_size
+    return _STATE.tp_size if _sharding() else 1
 
 
 def get_tp_rank() -> int:
-    return 0 if _STATE is None else _STATE.tp_rank
+    return _STATE.tp_rank if _sharding() else 0
 
 
 def get_pp_size() -> int:
-    return 1 if _STATE is None else _STATE.pp_size
+    return _STATE.pp_size if _sharding() else 1
 
 
 def get_pp_rank() -> int:
-    return 0 if _STATE is None else _STATE.pp_rank
+    return _STATE.pp_rank if _sharding() else 0
 
 
 def pp_send(x: torch.Tensor, dst: int) -> None:

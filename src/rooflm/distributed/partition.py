@@ -101,27 +101,27 @@ def check_pipeline_parallel(cfg: ModelConfig, pp: int) -> None:
 @dataclass(frozen=True)
 class Shard:
     """The part of a checkpoint tensor a rank loads: ``size`` entries from ``start`` along ``dim`` (0: rows,
-    1: columns). ``owner_only``: the whole tensor on rank 0 and zeros elsewhere (the bias of a row-parallel
-    projection, added once after the all-reduce sums the ranks' outputs)."""
+    1: columns). ``zero``: zeros of the tensor's shape instead (the bias of a row-parallel projection on every rank
+    but the first: the all-reduce that sums the ranks' outputs then adds it once)."""
 
     dim: int = 0
     start: int = 0
     size: int = 0
-    owner_only: bool = False
+    zero: bool = False
 
 
-def narrow_tensor(tensor: torch.Tensor, shard: Shard, rank: int) -> torch.Tensor:
-    if shard.owner_only:
-        return tensor if rank == 0 else torch.zeros_like(tensor)
+def narrow_tensor(tensor: torch.Tensor, shard: Shard) -> torch.Tensor:
+    if shard.zero:
+        return torch.zeros_like(tensor)
     return tensor.narrow(shard.dim, shard.start, shard.size)
 
 
-def narrow_packed(pw: PackedWeight, shard: Shard, rank: int) -> PackedWeight | torch.Tensor:
+def narrow_packed(pw: PackedWeight, shard: Shard) -> PackedWeight | torch.Tensor:
     """The rank's part of a quantized weight, still packed when the cut follows the layout: any row range, or a
     column range on group boundaries (and on byte boundaries for 4-bit codes) of a weight without an act-order
     permutation. Otherwise the dequantized float part (the layer then stays float)."""
-    if shard.owner_only:
-        return pw if rank == 0 else torch.zeros(pw.out_features, pw.in_features, dtype=torch.float32)
+    if shard.zero:
+        return torch.zeros(pw.out_features, pw.in_features, dtype=torch.float32)
     if shard.dim == 0:
         end = shard.start + shard.size
         return dataclasses.replace(pw, qweight=pw.qweight[shard.start:end].contiguous(),
@@ -138,8 +138,8 @@ def narrow_packed(pw: PackedWeight, shard: Shard, rank: int) -> PackedWeight | t
     return dequantize(pw, dtype=torch.float32).narrow(1, shard.start, shard.size)
 
 
-def narrow_weight(tensor: torch.Tensor | PackedWeight, shard: Shard, rank: int) -> torch.Tensor | PackedWeight:
-    """The part of a checkpoint tensor (float or packed) that rank ``rank`` loads."""
+def narrow_weight(tensor: torch.Tensor | PackedWeight, shard: Shard) -> torch.Tensor | PackedWeight:
+    """The part of a checkpoint tensor (float or packed) that ``shard`` names."""
     if isinstance(tensor, PackedWeight):
-        return narrow_packed(tensor, shard, rank)
-    return narrow_tensor(tensor, shard, rank)
+        return narrow_packed(tensor, shard)
+    return narrow_tensor(tensor, shard)

@@ -32,21 +32,22 @@ class MissingLayer(nn.Module):
         raise RuntimeError("this decoder layer belongs to another pipeline stage")
 
 
-def receive_activations(num_tokens: int, hidden_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden, residual) [num_tokens, hidden_size] each, from the previous stage."""
-    both = ps.pp_recv((2, num_tokens, hidden_size), dtype, ps.get_pp_rank() - 1)
+def receive_activations(num_tokens: int, hidden_size: int, dtype: torch.dtype,
+                        pp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden, residual) [num_tokens, hidden_size] each, from stage ``pp_rank - 1``."""
+    both = ps.pp_recv((2, num_tokens, hidden_size), dtype, pp_rank - 1)
     return both[0], both[1]
 
 
-def send_activations(hidden: torch.Tensor, residual: torch.Tensor) -> None:
-    """Hidden states and residual stream to the next stage, in one message."""
-    ps.pp_send(torch.stack((hidden, residual)), ps.get_pp_rank() + 1)
+def send_activations(hidden: torch.Tensor, residual: torch.Tensor, pp_rank: int) -> None:
+    """Hidden states and residual stream to stage ``pp_rank + 1``, in one message."""
+    ps.pp_send(torch.stack((hidden, residual)), pp_rank + 1)
 
 
-def share_logits(logits: torch.Tensor | None, num_rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """The last stage's [num_rows, vocab] float32 logits on every stage (``logits`` itself at one stage; None on the
-    stages without the LM head, which receive them)."""
-    pp = ps.get_pp_size()
+def share_logits(logits: torch.Tensor | None, num_rows: int, vocab_size: int, device: torch.device,
+                 pp: int) -> torch.Tensor:
+    """The last of ``pp`` stages' [num_rows, vocab] float32 logits on every stage (``logits`` itself at one stage;
+    None on the stages without the LM head, which receive them)."""
     if pp == 1:
         return logits
     if logits is None:

@@ -63,7 +63,8 @@ class TorchrunExecutor(MultiprocExecutor):
         from rooflm.distributed.worker import build_runner, serve_steps
 
         try:
-            runner = build_runner(config, self.device)
+            with ps.building_sharded_model():
+                runner = build_runner(config, self.device)
             serve_steps(runner, lambda: ps.broadcast_object(None), self.device)
         finally:
             ps.destroy_distributed()

@@ -38,7 +38,8 @@ def build_runner(config: "EngineConfig", device: torch.device):
     model, cfg = load_model(config.model, load_format=config.load_format, dtype=dtype, device=device,
                             attn_backend=config.attention_backend, ops=config.ops, seed=config.seed,
                             show_progress=False, quantization=config.quantization)
-    kv_cfg = shard_model_config(cfg, ps.get_tp_size(), ps.get_state().rank, ps.get_pp_size())
+    state = ps.get_state()
+    kv_cfg = shard_model_config(cfg, state.tp_size, state.rank, state.pp_size)
     num_blocks = ps.all_reduce_min(kv_pool_blocks(config, model.eval(), kv_cfg, device, dtype))
     max_model_len, eos_token_ids = ps.broadcast_object(None)
     runner = ModelRunner(model, kv_cfg, num_blocks, config.block_size, device, dtype, config.max_num_seqs,
@@ -75,7 +76,8 @@ def run_worker(rank: int, world_size: int, init_method: str, config: "EngineConf
         if device.type == "cpu":
             torch.set_num_threads(threads_per_rank(world_size))
         ps.init_distributed(world_size, rank, init_method, device, timeout_s, pp_size)
-        runner = build_runner(config, device)
+        with ps.building_sharded_model():
+            runner = build_runner(config, device)
         serve_steps(runner, pipe.recv_bytes, device)
     except BaseException:  # noqa: BLE001 - reported, then the exit code tells rank 0
         traceback.print_exc()

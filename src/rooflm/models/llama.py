@@ -56,8 +56,8 @@ def layer_sliding_window(cfg: ModelConfig, layer_idx: int) -> int | None:
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.tp_size = get_tp_size()
-        self.heads = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads, self.tp_size, get_tp_rank())
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.heads = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads, self.tp_size, self.tp_rank)
         self.num_heads = self.heads.num_heads  # this rank's share
         self.num_kv_heads = self.heads.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -93,7 +93,8 @@ class LlamaAttention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         # The backend rotates q, k, writes k, v into the paged cache, then attends over the cache.
-        return tp_all_reduce(self.o_proj(self.attn(q, k, v, cos, sin, kv_cache, meta)))
+        out = self.o_proj(self.attn(q, k, v, cos, sin, kv_cache, meta))
+        return tp_all_reduce(out) if self.tp_size > 1 else out
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         """HF names ``{prefix}.q_proj.weight`` etc. -> row ranges of the fused qkv_proj."""
@@ -111,7 +112,7 @@ class LlamaAttention(nn.Module):
         o_cut = Shard(1, self.heads.q_start * hd, self.q_size) if tp else None
         t[f"{prefix}.o_proj.weight"] = WeightTarget(self.o_proj.weight, shard=o_cut)
         if self.o_proj.bias is not None:
-            t[f"{prefix}.o_proj.bias"] = WeightTarget(self.o_proj.bias, shard=Shard(owner_only=True) if tp else None)
+            t[f"{prefix}.o_proj.bias"] = WeightTarget(self.o_proj.bias, shard=Shard(zero=True) if self.tp_rank else None)
         return t
 
 
@@ -120,9 +121,9 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.tp_size = get_tp_size()
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
         # this rank's columns of the intermediate activation
-        self.inter_start, self.intermediate_size = shard_range(cfg.intermediate_size, self.tp_size, get_tp_rank())
+        self.inter_start, self.intermediate_size = shard_range(cfg.intermediate_size, self.tp_size, self.tp_rank)
         bias = bool(cfg.hf_config.get("mlp_bias", False))  # Llama option, off in every released model
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=bias)  # rows: [gate | up]
         self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=bias)
@@ -135,13 +136,14 @@ class LlamaMLP(nn.Module):
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """act(gate) * up, projected down; summed over the tensor-parallel ranks (row-parallel down_proj)."""
-        return tp_all_reduce(self.act_down(gate_up))
+        out = self.act_down(gate_up)
+        return tp_all_reduce(out) if self.tp_size > 1 else out
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         size, tp = self.intermediate_size, self.tp_size > 1
         col_cut = Shard(0, self.inter_start, size) if tp else None
         down_cuts = {"weight": Shard(1, self.inter_start, size) if tp else None,
-                     "bias": Shard(owner_only=True) if tp else None}
+                     "bias": Shard(zero=True) if self.tp_rank else None}
         t: dict[str, WeightTarget] = {}
         for kind in ("weight", "bias") if self.down_proj.bias is not None else ("weight",):
             t[f"{prefix}.gate_proj.{kind}"] = WeightTarget(getattr(self.gate_up_proj, kind), rows(0, size), col_cut)
@@ -204,7 +206,8 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         n = cfg.num_hidden_layers
-        self.start_layer, self.end_layer = pp_layer_range(n, get_pp_size(), get_pp_rank())  # this stage's layers
+        self.pp_size, self.pp_rank = get_pp_size(), get_pp_rank()
+        self.start_layer, self.end_layer = pp_layer_range(n, self.pp_size, self.pp_rank)  # this stage's layers
         self.is_first, self.is_last = self.start_layer == 0, self.end_layer == n
         self.hidden_size = cfg.hidden_size
         # the last stage keeps the embedding too when the LM head is tied to it
@@ -225,12 +228,13 @@ class LlamaModel(nn.Module):
         if self.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
         else:
-            hidden, residual = receive_activations(input_ids.shape[0], self.hidden_size, self.norm.weight.dtype)
+            hidden, residual = receive_activations(input_ids.shape[0], self.hidden_size, self.norm.weight.dtype,
+                                                   self.pp_rank)
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer], kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
         if not self.is_last:
-            send_activations(hidden, residual)
+            send_activations(hidden, residual, self.pp_rank)
             return hidden
         hidden, _ = self.norm(hidden, residual)
         return hidden
@@ -278,7 +282,7 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] -> [N, vocab] float32 (pass only the rows to sample from). Every pipeline stage gets the last
         stage's logits."""
         logits = self.lm_head(hidden) if self.lm_head is not None else None
-        return share_logits(logits, hidden.shape[0], self.config.vocab_size, hidden.device)
+        return share_logits(logits, hidden.shape[0], self.config.vocab_size, hidden.device, self.model.pp_size)
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         """Every HF tensor name this model expects, mapped to where it goes."""
@@ -304,7 +308,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is not None and self.lm_head.tied and isinstance(
                     tensor, PackedWeight):
                 shard = self.lm_head.shard
-                self.lm_head.set_packed(tensor if shard is None else narrow_weight(tensor, shard, get_tp_rank()))
+                self.lm_head.set_packed(tensor if shard is None else narrow_weight(tensor, shard))
                 continue
             yield name, tensor
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rooflm.distributed.parallel_state import get_tp_rank
 from rooflm.distributed.partition import Shard, narrow_weight
 from rooflm.layers.linear import QuantizableMixin
 from rooflm.quantization.packed import PackedWeight, cat_rows, dequantize
@@ -115,7 +114,6 @@ def load_named_weights(
     optional = set(optional)
     loaded: set[str] = set()
     shards = _PackedShards(model)
-    rank = get_tp_rank()
     for name, tensor in weights:
         target = targets.get(name)
         if target is None:
@@ -123,7 +121,7 @@ def load_named_weights(
                 logger.warning("ignoring checkpoint tensor %s: the model has no place for it", name)
             continue
         if target.shard is not None:
-            tensor = narrow_weight(tensor, target.shard, rank)
+            tensor = narrow_weight(tensor, target.shard)
         layer = shards.layer_of(target)
         if isinstance(tensor, PackedWeight):
             if layer is not None:
