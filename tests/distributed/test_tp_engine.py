@@ -53,7 +53,10 @@ def austen_prompts(data_path) -> list[list[int]]:
     prompts = []
     for i in range(8):
         n = 5 + (i * 13) % 56
-        prompts.append(ids[:32] + ids[300 + i * 7: 300 + i * 7 + n] if i % 2 == 0 else ids[100 + i * 40: 100 + i * 40 + n])
+        if i % 2 == 0:
+            prompts.append(ids[:32] + ids[300 + i * 7: 300 + i * 7 + n])
+        else:
+            prompts.append(ids[100 + i * 40: 100 + i * 40 + n])
     return prompts
 
 

@@ -71,8 +71,8 @@ def init_distributed(world_size: int, rank: int, init_method: str, device: torch
                      timeout_s: float = 600.0, pp_size: int = 1,
                      control_timeout_s: float | None = None) -> ParallelState:
     """Join the process group of ``world_size`` ranks as ``rank`` (``init_method``: a ``file://`` or ``tcp://`` URL,
-    or ``env://`` under torchrun); ``pp_size``: 1 (tensor parallelism) or ``world_size`` (pipeline stages). NCCL when ``device`` is CUDA, gloo otherwise. ``timeout_s`` bounds every
-    collective, so a rank that stops answering ends the others with an error instead of a hang; ``control_timeout_s``
+    or ``env://`` under torchrun); ``pp_size``: 1 (tensor parallelism) or ``world_size`` (pipeline stages). NCCL
+    when ``device`` is CUDA, gloo otherwise. ``timeout_s`` bounds every collective, so a rank that stops answering ends the others with an error instead of a hang; ``control_timeout_s``
     replaces it on the CPU group (a worker that waits there for the next step may wait as long as the engine idles)."""
     global _STATE
     if _STATE is not None:

@@ -167,7 +167,8 @@ class LLMEngine:
                     _kv_dtype_text(config.kv_cache_dtype, self.kv_dtype), num_blocks * config.block_size,
                     self.max_model_len, str(self.dtype).removeprefix("torch."), self.device,
                     "; asynchronous scheduling" if self.async_scheduling else "")
-        if self.device.type == "cuda" and not config.enforce_eager and (self.parallel is None or tp_cuda_graphs(config)):
+        graphs_ok = self.parallel is None or tp_cuda_graphs(config)  # under TP only when asked; never under PP
+        if self.device.type == "cuda" and not config.enforce_eager and graphs_ok:
             self.runner.capture_graphs(config.max_num_seqs)
         self._ids = itertools.count()
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float]] = deque()

@@ -112,7 +112,8 @@ class LlamaAttention(nn.Module):
         o_cut = Shard(1, self.heads.q_start * hd, self.q_size) if tp else None
         t[f"{prefix}.o_proj.weight"] = WeightTarget(self.o_proj.weight, shard=o_cut)
         if self.o_proj.bias is not None:
-            t[f"{prefix}.o_proj.bias"] = WeightTarget(self.o_proj.bias, shard=Shard(zero=True) if self.tp_rank else None)
+            bias_cut = Shard(zero=True) if self.tp_rank else None
+            t[f"{prefix}.o_proj.bias"] = WeightTarget(self.o_proj.bias, shard=bias_cut)
         return t
 
 
