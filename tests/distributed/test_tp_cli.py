@@ -35,3 +35,18 @@ def test_bench_latency_takes_the_flag():
     assert parser.parse_args(["-tp", "2"]).tensor_parallel_size == 2
     assert parser.parse_args(["-pp", "2"]).pipeline_parallel_size == 2
     assert parser.parse_args([]).tensor_parallel_size == 1
+
+
+def test_bench_latency_runs_tensor_parallel_on_the_cpu(tmp_path):
+    import json
+
+    from rooflm.cli import main
+    from rooflm.distributed.parallel_state import get_state
+
+    out = tmp_path / "latency.json"
+    argv = ["bench", "latency", "--model", "smollm2-135m", "--load-format", "dummy", "--device", "cpu", "--dtype",
+            "float32", "--input-len", "16", "--output-len", "4", "--num-iters", "1", "-tp", "2", "--json", str(out)]
+    assert main(argv) == 0
+    d = json.loads(out.read_text())
+    assert d["tensor_parallel_size"] == 2 and d["tpot_s"] > 0 and not d["cuda_graphs"]
+    assert get_state() is None  # the bench shut its workers down

@@ -271,6 +271,8 @@ def run(args: argparse.Namespace) -> int:
         "command": "rooflm bench latency " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "latency"] else "",
         "model": args.model, "dtype": str(dtype).removeprefix("torch."), "batch_size": B, "input_len": L_in,
         "output_len": L_out, "attention_backend": backend, "cuda_graphs": gr is not None,
+        # the roofline figures below are for one device holding the whole model, also under these splits
+        "tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,
         "graph_sizes": gr.sizes if gr is not None else [], "ceilings": ceilings,
         "engine_init_s": init_s, "graph_capture_s": capture_s, "warmup_s": warmup_s,
         "ttft_s": med["ttft_s"], "tpot_s": med["tpot_s"], "e2e_s": med["e2e_s"],
@@ -324,6 +326,7 @@ def run(args: argparse.Namespace) -> int:
         for b in sorted({1, B}):
             res["profile"][f"batch_{b}"] = _profile(engine, prompts()[:b], args.profile if b == B else "",
                                                     args.profile_trace)
+    engine.shutdown()  # tensor- or pipeline-parallel workers
     _print(res)
     if args.json:
         with open(args.json, "w") as f:
