@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Tensor parallelism on a machine with two GPUs; run from the repository root: bash tests/gpu/tp_smoke.sh
-# 1. the TP=2 versus TP=1 token test; 2. Llama-2-13B (random fp16 weights), batch 1, 1024 prompt + 128 generated
-# tokens, on one GPU (CUDA graphs off and on) and on two. JSON goes to $OUT (default ./out).
+# Tensor and pipeline parallelism on a machine with two GPUs; run from the repository root: bash tests/gpu/tp_smoke.sh
+# 1. the two-GPU token tests (TP=2 and PP=2 against one GPU); 2. Llama-2-13B (random fp16 weights), batch 1, 1024
+# prompt + 128 generated tokens: one GPU with CUDA graphs off and on, two GPUs with TP=2 and with PP=2, and TP=2 with
+# its experimental CUDA graphs. JSON goes to $OUT (default ./out).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
