@@ -262,12 +262,41 @@ class EngineConfig:
     # ahead of the compute (rooflm.worker.weight_offload; vLLM's name). 0: every weight on the device.
     cpu_offload_gb: float = 0.0
 
+    # Tensor parallelism (Megatron-LM's layout, vLLM's name): the model's heads, MLP columns and vocabulary split
+    # over this many processes (rank 0 is the calling process; the others are started by the engine). NCCL on CUDA
+    # devices 0..N-1, gloo on the CPU. See docs/distributed.md.
+    tensor_parallel_size: int = 1
+    # Pipeline parallelism: the decoder layers split into this many stages, one process each (not combined with
+    # tensor_parallel_size > 1).
+    pipeline_parallel_size: int = 1
+
     def __post_init__(self) -> None:
         if not isinstance(self.cpu_offload_gb, (int, float)) or self.cpu_offload_gb < 0:
             raise _bad("EngineConfig", "cpu_offload_gb", self.cpu_offload_gb, "a number of GiB >= 0")
         if (not isinstance(self.data_parallel_size, int) or isinstance(self.data_parallel_size, bool)
                 or self.data_parallel_size < 1):
             raise _bad("EngineConfig", "data_parallel_size", self.data_parallel_size, "a positive integer")
+        for f in ("tensor_parallel_size", "pipeline_parallel_size"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise _bad("EngineConfig", f, v, "a positive integer")
+        parallel = self.tensor_parallel_size * self.pipeline_parallel_size > 1
+        if parallel and self.data_parallel_size > 1:
+            raise _bad("EngineConfig", "data_parallel_size", self.data_parallel_size,
+                       "1 with tensor or pipeline parallelism (one parallel engine per process)")
+        if parallel and self.cpu_offload_gb > 0:
+            raise _bad("EngineConfig", "cpu_offload_gb", self.cpu_offload_gb,
+                       "0 with tensor or pipeline parallelism (offloading is for one device)")
+        if parallel and self.speculative_config is not None:
+            from rooflm.spec_decode.config import SpeculativeConfig
+
+            spec = SpeculativeConfig.parse(self.speculative_config)
+            if spec.method != "ngram":
+                raise _bad("EngineConfig", "speculative_config.method", spec.method,
+                           "'ngram' with tensor or pipeline parallelism (a draft model runs on rank 0 only)")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise _bad("EngineConfig", "pipeline_parallel_size", self.pipeline_parallel_size,
+                       f"1 with tensor_parallel_size={self.tensor_parallel_size} (the two do not combine yet)")
         if self.load_format not in LOAD_FORMATS:
             raise _bad("EngineConfig", "load_format", self.load_format, f"one of {LOAD_FORMATS}")
         if self.dtype not in ("auto",) + SUPPORTED_DTYPES:

@@ -18,7 +18,9 @@ class LLM:
     Keyword arguments are ``EngineConfig`` fields: load_format, dtype, device, tokenizer, max_model_len,
     kv_cache_memory, kv_cache_dtype ("auto" | "int8" | "fp8"), block_size, max_num_batched_tokens, max_num_seqs,
     enable_prefix_caching, seed, enforce_eager, attention_backend, num_gpu_blocks_override, show_progress,
-    quantization ("w8a16", "w4a16", "fp8", ...; see ``rooflm.quantization.config``).
+    quantization ("w8a16", "w4a16", "fp8", ...; see ``rooflm.quantization.config``), tensor_parallel_size (worker
+    processes started here; see docs/distributed.md: a script that uses it needs the ``if __name__ == "__main__":``
+    guard of Python's spawn start method).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -34,6 +36,16 @@ class LLM:
         llm = cls.__new__(cls)
         llm.engine = engine
         return llm
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any (also done at interpreter exit)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -64,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", choices=["none", "hf", "llama.cpp"], default="none",
                    help="none; hf: also time transformers' generate on the same weights and prompts; llama.cpp: time "
                         "llama.cpp (llama-cpp-python, same threads) on the same .gguf file and prompts (batch 1)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many GPUs (or CPU processes); CUDA graphs are off above 1")
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                   help="split the decoder layers into this many stages, one GPU (or CPU process) each")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and weights")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="also time the same prompts with this speculative_config (same model, same process) and "
@@ -253,7 +257,8 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens or max(2048, L_in), enable_prefix_caching=False,
         enforce_eager=args.enforce_eager, async_scheduling=_async_flag(args),
         attention_backend=args.attention_backend, seed=args.seed, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         show_progress=False))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -287,6 +292,8 @@ def run(args: argparse.Namespace) -> int:
         "command": "rooflm bench latency " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "latency"] else "",
         "model": args.model, "dtype": str(dtype).removeprefix("torch."), "batch_size": B, "input_len": L_in,
         "output_len": L_out, "attention_backend": backend, "cuda_graphs": gr is not None,
+        # the roofline figures below are for one device holding the whole model, also under these splits
+        "tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,
         "graph_sizes": gr.sizes if gr is not None else [], "ceilings": ceilings,
         "engine_init_s": init_s, "graph_capture_s": capture_s, "warmup_s": warmup_s,
         "ttft_s": med["ttft_s"], "tpot_s": med["tpot_s"], "e2e_s": med["e2e_s"],
@@ -348,6 +355,7 @@ def run(args: argparse.Namespace) -> int:
         for b in sorted({1, B}):
             res["profile"][f"batch_{b}"] = _profile(engine, prompts()[:b], args.profile if b == B else "",
                                                     args.profile_trace)
+    engine.shutdown()  # tensor- or pipeline-parallel workers
     with report_stream(args):
         _print(res)
     write_outputs(args, res)

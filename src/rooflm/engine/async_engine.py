@@ -182,6 +182,10 @@ class AsyncLLMEngine:
         self._wakeup.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            stop = getattr(self.engine, "shutdown", None)  # tensor-parallel workers, if any
+            if stop is not None:
+                stop()
 
     # ------------------------------------------------------------------------------------------------ requests
     async def generate(self, prompt: str | list[int], params: SamplingParams,

@@ -20,6 +20,8 @@ import torch
 
 from rooflm.attention.kv_quant import kv_storage_dtype
 from rooflm.config import EngineConfig, ModelConfig
+from rooflm.distributed.executor import tp_cuda_graphs
+from rooflm.distributed.partition import shard_model_config
 from rooflm.engine.output_processor import OutputProcessor
 from rooflm.engine.request import Request
 from rooflm.engine.sched_output import SchedulerOutput
@@ -63,6 +65,35 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def kv_pool_blocks(c: EngineConfig, model: torch.nn.Module, cfg: ModelConfig, device: torch.device,
+                   dtype: torch.dtype, extra_block_bytes: int = 0) -> int:
+    """KV blocks of this process's pool (``cfg``: the model config with this rank's KV heads). On CUDA without a
+    set ``kv_cache_memory``, what the weights and a profiled forward pass at the batch limits leave of the allowed
+    share (nano-vllm's and vLLM's rule: size the pool from measured peaks, not a guess); under tensor parallelism
+    ``kv_cache_memory`` is the budget of each rank. ``extra_block_bytes``: what else a block costs (a draft model's
+    pool has as many blocks as the target's: they share the block tables)."""
+    if c.num_gpu_blocks_override is not None:
+        return c.num_gpu_blocks_override
+    per_block = kv_bytes_per_block(cfg, c.block_size, dtype, c.kv_cache_dtype) + extra_block_bytes
+    budget = c.kv_cache_memory
+    if budget is None:
+        if device.type == "cuda":
+            peak = profile_activation_bytes(model, cfg, c.max_num_batched_tokens, c.max_num_seqs,
+                                            c.block_size, device, dtype, c.kv_cache_dtype)
+            free, total = torch.cuda.mem_get_info(device)
+            budget = int(total * c.gpu_memory_utilization) - (total - free) - peak - _CUDA_GRAPH_RESERVE
+            logger.info("KV sizing: %.2f GiB in use, activation peak %.2f GiB, %.2f GiB left for the KV pool",
+                        (total - free) / 2**30, peak / 2**30, budget / 2**30)
+        else:
+            budget = _CPU_KV_DEFAULT
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block: one block of {c.block_size} tokens "
+                         f"takes {per_block} bytes for this model (raise gpu_memory_utilization or "
+                         "lower max_num_batched_tokens)")
+    return int(num_blocks)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, model: torch.nn.Module | None = None,
                  model_config: ModelConfig | None = None, tokenizer: Any = None, **kwargs: Any) -> None:
@@ -77,6 +108,12 @@ class LLMEngine:
                              "run behind the server (rooflm serve --data-parallel-size N, "
                              "rooflm.engine.data_parallel.DataParallelEngine)")
         self.device = resolve_device(config.device)
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1 and not hasattr(self, "parallel"):
+            from rooflm.distributed.engine_setup import init_parallel_engine
+
+            # starts the workers, joins their process group, then runs this __init__ again inside it
+            return init_parallel_engine(self, config, model, model_config, tokenizer)
+        self.parallel = getattr(self, "parallel", None)  # rooflm.distributed.executor.MultiprocExecutor
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         if model is None:
@@ -108,17 +145,22 @@ class LLMEngine:
 
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)
         self._draft, self._draft_block_bytes = self._load_draft(cfg)
-        num_blocks = self._num_blocks(cfg)
+        kv_cfg = shard_model_config(cfg, config.tensor_parallel_size, 0, config.pipeline_parallel_size)  # rank 0's KV
+        num_blocks = self._num_blocks(kv_cfg)
+        if self.parallel is not None:
+            num_blocks = self.parallel.agree_num_blocks(num_blocks)
         self.max_model_len = self._max_model_len(cfg, num_blocks)
         self.eos_token_ids = self._eos_ids(cfg)
+        if self.parallel is not None:
+            self.parallel.start_runners(self.max_model_len, self.eos_token_ids)
         self.scheduler_config = config.scheduler_config(self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.eos_token_ids)
-        self.runner = ModelRunner(self.model, cfg, num_blocks, config.block_size, self.device, self.dtype,
+        self.runner = ModelRunner(self.model, kv_cfg, num_blocks, config.block_size, self.device, self.dtype,
                                   config.max_num_seqs, self.max_model_len, self.eos_token_ids,
                                   kv_cache_dtype=config.kv_cache_dtype)
         self.output_processor = OutputProcessor(tokenizer, frozenset(self.eos_token_ids))
-        per_block = kv_bytes_per_block(cfg, config.block_size, self.dtype, config.kv_cache_dtype)
+        per_block = kv_bytes_per_block(kv_cfg, config.block_size, self.dtype, config.kv_cache_dtype)
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         from rooflm.spec_decode.proposer import SpeculativeProposer
@@ -135,9 +177,10 @@ class LLMEngine:
                     _kv_dtype_text(config.kv_cache_dtype, self.kv_dtype), num_blocks * config.block_size,
                     self.max_model_len, str(self.dtype).removeprefix("torch."), self.device,
                     "; asynchronous scheduling" if self.async_scheduling else "")
+        graphs_ok = self.parallel is None or tp_cuda_graphs(config)  # under TP only when asked; never under PP
         # offloaded weights are copied in by Python hooks around each layer, which a CUDA graph would not replay
         offloading = getattr(self.model, "weight_offloader", None) is not None
-        if self.device.type == "cuda" and not config.enforce_eager and not offloading:
+        if self.device.type == "cuda" and not config.enforce_eager and graphs_ok and not offloading:
             self.runner.capture_graphs(config.max_num_seqs)
         self._ids = itertools.count()
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float]] = deque()
@@ -176,30 +219,7 @@ class LLMEngine:
         self.proposer.draft_cost = drafter.cost_fraction
 
     def _num_blocks(self, cfg: ModelConfig) -> int:
-        c = self.config
-        if c.num_gpu_blocks_override is not None:
-            return c.num_gpu_blocks_override
-        # a draft model's pool has as many blocks as the target's (they share the block tables)
-        per_block = kv_bytes_per_block(cfg, c.block_size, self.dtype, c.kv_cache_dtype) + self._draft_block_bytes
-        budget = c.kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda":
-                # What the weights and a profiled forward pass at the batch limits leave of the allowed share
-                # (nano-vllm's and vLLM's rule: size the pool from measured peaks, not a guess).
-                peak = profile_activation_bytes(self.model, cfg, c.max_num_batched_tokens, c.max_num_seqs,
-                                                c.block_size, self.device, self.dtype, c.kv_cache_dtype)
-                free, total = torch.cuda.mem_get_info(self.device)
-                budget = int(total * c.gpu_memory_utilization) - (total - free) - peak - _CUDA_GRAPH_RESERVE
-                logger.info("KV sizing: %.2f GiB in use, activation peak %.2f GiB, %.2f GiB left for the KV pool",
-                            (total - free) / 2**30, peak / 2**30, budget / 2**30)
-            else:
-                budget = _CPU_KV_DEFAULT
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block: one block of {c.block_size} tokens "
-                             f"takes {per_block} bytes for this model (raise gpu_memory_utilization or "
-                             "lower max_num_batched_tokens)")
-        return int(num_blocks)
+        return kv_pool_blocks(self.config, self.model, cfg, self.device, self.dtype, self._draft_block_bytes)
 
     def _max_model_len(self, cfg: ModelConfig, num_blocks: int) -> int:
         c = self.config
@@ -306,7 +326,8 @@ class LLMEngine:
             self.runner.drafter.enabled = self.proposer.drafting
         if not out.is_empty:
             launched = time.perf_counter()
-            self._in_flight.append((out, self.runner.execute(out), launched))
+            handle = self.runner.execute(out) if self.parallel is None else self.parallel.execute(self.runner, out)
+            self._in_flight.append((out, handle, launched))
             self.stats.num_steps += 1
         depth = 2 if self.async_scheduling else 1
         if not self._in_flight or (len(self._in_flight) < depth and not out.is_empty):
@@ -333,6 +354,11 @@ class LLMEngine:
             self.structured.remove(c for c, _ in to_stop)
         self.stats.generation_tokens_total += sum(len(o.new_token_ids) for o in core_outputs)
         return outputs
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one rank). Idempotent; also run at interpreter exit."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
 
     # -- stats ----------------------------------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -39,6 +39,8 @@ _HELP = {
     "mlfq_starvation_steps": "mlfq: scheduler steps a waiting request waits before it is promoted to the top level",
     "fair_input_weight": "fair: cost of one prompt token in the virtual token counter",
     "fair_output_weight": "fair: cost of one generated token in the virtual token counter",
+    "tensor_parallel_size": "split the model over this many processes: GPUs 0..N-1 (NCCL) or CPU processes (gloo)",
+    "pipeline_parallel_size": "split the decoder layers into this many stages, one process (GPU) each",
     # rooflm.quantization.config.QUANTIZATION_METHODS, written out so that --help does not import torch
     "quantization": "none | w8a16 | w4a16 | gptq | awq | gguf | fp8: how the projection weights are stored and "
                     "multiplied (default: what the checkpoint holds: float, GPTQ/AWQ, a GGUF file kept quantized)",
@@ -68,6 +70,10 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true/false)")
 
 
+# vLLM's short spellings of some engine flags
+_SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -90,7 +96,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
             parser.add_argument("--no-" + flag[2:], dest=f.name, action="store_const", const=False,
                                 help=f"same as {flag} false")
         else:
-            parser.add_argument(flag, type=kind, default=default, help=help_text)
+            short = (_SHORT[f.name],) if f.name in _SHORT else ()
+            parser.add_argument(*short, flag, type=kind, default=default, help=help_text)
 
 
 def available_cpus() -> int:

@@ -10,6 +10,14 @@ Data flow (no padding, no batch dimension): T tokens of any number of sequences,
 Every op with a fast path (projections, norms, activation, attention backend) chose its implementation when the
 model was built: build it inside ``rooflm.layers.custom_op.op_selection`` (the loader does), or re-choose with
 ``select_ops``.
+
+Tensor parallelism (``rooflm.distributed``): built inside an initialised process group, each rank holds its share of
+the heads (``qkv_proj`` and ``o_proj``), of the MLP columns (``gate_up_proj`` and ``down_proj``) and of the
+vocabulary; ``o_proj`` and ``down_proj`` are row-parallel and their outputs are summed over the ranks (one
+all-reduce each). Pipeline parallelism (``rooflm.distributed.pipeline``): each rank builds only its stage's layers
+(the others are ``MissingLayer`` placeholders), receives the activations from the previous stage and sends them to the
+next; the first stage embeds, the last normalises and computes the logits, which every stage receives. At one rank
+every collective is the identity.
 """
 from __future__ import annotations
 
@@ -20,6 +28,10 @@ from torch import nn
 
 from rooflm.attention.backend import AttentionMetadata
 from rooflm.config import ModelConfig
+from rooflm.distributed.parallel_state import get_pp_rank, get_pp_size, get_tp_rank, get_tp_size, tp_all_reduce
+from rooflm.distributed.pipeline import (MissingLayer, pp_layer_range, receive_activations, send_activations,
+                                         share_logits)
+from rooflm.distributed.partition import Shard, check_tensor_parallel, head_shard, narrow_weight, shard_range
 from rooflm.layers.activation import SiluAndMulLinear, get_gated_activation
 from rooflm.layers.attention import Attention
 from rooflm.layers.embedding import LMHead, VocabEmbedding
@@ -44,8 +56,10 @@ def layer_sliding_window(cfg: ModelConfig, layer_idx: int) -> int | None:
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.heads = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads, self.tp_size, self.tp_rank)
+        self.num_heads = self.heads.num_heads  # this rank's share
+        self.num_kv_heads = self.heads.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -79,20 +93,27 @@ class LlamaAttention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         # The backend rotates q, k, writes k, v into the paged cache, then attends over the cache.
-        return self.o_proj(self.attn(q, k, v, cos, sin, kv_cache, meta))
+        out = self.o_proj(self.attn(q, k, v, cos, sin, kv_cache, meta))
+        return tp_all_reduce(out) if self.tp_size > 1 else out
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         """HF names ``{prefix}.q_proj.weight`` etc. -> row ranges of the fused qkv_proj."""
         t: dict[str, WeightTarget] = {}
-        shards = (("q_proj", 0, self.q_size), ("k_proj", self.q_size, self.kv_size),
-                  ("v_proj", self.q_size + self.kv_size, self.kv_size))
-        for name, start, size in shards:
-            t[f"{prefix}.{name}.weight"] = WeightTarget(self.qkv_proj.weight, rows(start, size))
+        hd, tp = self.head_dim, self.tp_size > 1
+        q_cut = Shard(0, self.heads.q_start * hd, self.q_size) if tp else None  # this rank's heads
+        kv_cut = Shard(0, self.heads.kv_start * hd, self.kv_size) if tp else None
+        shards = (("q_proj", 0, self.q_size, q_cut), ("k_proj", self.q_size, self.kv_size, kv_cut),
+                  ("v_proj", self.q_size + self.kv_size, self.kv_size, kv_cut))
+        for name, start, size, cut in shards:
+            t[f"{prefix}.{name}.weight"] = WeightTarget(self.qkv_proj.weight, rows(start, size), cut)
             if self.qkv_proj.bias is not None:
-                t[f"{prefix}.{name}.bias"] = WeightTarget(self.qkv_proj.bias, rows(start, size))
-        t[f"{prefix}.o_proj.weight"] = WeightTarget(self.o_proj.weight)
+                t[f"{prefix}.{name}.bias"] = WeightTarget(self.qkv_proj.bias, rows(start, size), cut)
+        # row-parallel: the input columns of this rank's heads; the bias is added once (rank 0)
+        o_cut = Shard(1, self.heads.q_start * hd, self.q_size) if tp else None
+        t[f"{prefix}.o_proj.weight"] = WeightTarget(self.o_proj.weight, shard=o_cut)
         if self.o_proj.bias is not None:
-            t[f"{prefix}.o_proj.bias"] = WeightTarget(self.o_proj.bias)
+            bias_cut = Shard(zero=True) if self.tp_rank else None
+            t[f"{prefix}.o_proj.bias"] = WeightTarget(self.o_proj.bias, shard=bias_cut)
         return t
 
 
@@ -101,24 +122,34 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        # this rank's columns of the intermediate activation
+        self.inter_start, self.intermediate_size = shard_range(cfg.intermediate_size, self.tp_size, self.tp_rank)
         bias = bool(cfg.hf_config.get("mlp_bias", False))  # Llama option, off in every released model
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)  # rows: [gate | up]
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=bias)  # rows: [gate | up]
+        self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=bias)
         self.act_and_mul = get_gated_activation(cfg.hidden_act)
         # down_proj(act_and_mul(.)); on the Triton path one GEMV at decode sizes
         self.act_down = SiluAndMulLinear(self.act_and_mul, self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.act_down(self.gate_up_proj(x))  # via [T, 2 * intermediate]
+        return self.down(self.gate_up_proj(x))  # via [T, 2 * intermediate]
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up, projected down; summed over the tensor-parallel ranks (row-parallel down_proj)."""
+        out = self.act_down(gate_up)
+        return tp_all_reduce(out) if self.tp_size > 1 else out
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
-        size = self.intermediate_size
+        size, tp = self.intermediate_size, self.tp_size > 1
+        col_cut = Shard(0, self.inter_start, size) if tp else None
+        down_cuts = {"weight": Shard(1, self.inter_start, size) if tp else None,
+                     "bias": Shard(zero=True) if self.tp_rank else None}
         t: dict[str, WeightTarget] = {}
         for kind in ("weight", "bias") if self.down_proj.bias is not None else ("weight",):
-            t[f"{prefix}.gate_proj.{kind}"] = WeightTarget(getattr(self.gate_up_proj, kind), rows(0, size))
-            t[f"{prefix}.up_proj.{kind}"] = WeightTarget(getattr(self.gate_up_proj, kind), rows(size, size))
-            t[f"{prefix}.down_proj.{kind}"] = WeightTarget(getattr(self.down_proj, kind))
+            t[f"{prefix}.gate_proj.{kind}"] = WeightTarget(getattr(self.gate_up_proj, kind), rows(0, size), col_cut)
+            t[f"{prefix}.up_proj.{kind}"] = WeightTarget(getattr(self.gate_up_proj, kind), rows(size, size), col_cut)
+            t[f"{prefix}.down_proj.{kind}"] = WeightTarget(getattr(self.down_proj, kind), shard=down_cuts[kind])
         return t
 
 
@@ -156,7 +187,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn.attend(qkv, cos, sin, kv_cache, meta)
         if self.mlp_norm_gate_up is not None:
             gate_up, residual = self.mlp_norm_gate_up(hidden, residual)
-            return self.mlp.act_down(gate_up), residual
+            return self.mlp.down(gate_up), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -175,32 +206,54 @@ class LlamaModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        n = cfg.num_hidden_layers
+        self.pp_size, self.pp_rank = get_pp_size(), get_pp_rank()
+        self.start_layer, self.end_layer = pp_layer_range(n, self.pp_size, self.pp_rank)  # this stage's layers
+        self.is_first, self.is_last = self.start_layer == 0, self.end_layer == n
+        self.hidden_size = cfg.hidden_size
+        # the last stage keeps the embedding too when the LM head is tied to it
+        keep_embed = self.is_first or (self.is_last and cfg.tie_word_embeddings)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size) if keep_embed else None
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) if self.start_layer <= i < self.end_layer
+                                    else MissingLayer() for i in range(n))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] long
         positions: torch.Tensor,  # [T] long
-        kv_caches: list[torch.Tensor],  # one [2, num_blocks, block_size, num_kv_heads, head_dim] per layer
+        kv_caches: list[torch.Tensor],  # one [2, num_blocks, block_size, num_kv_heads, head_dim] per layer of the stage
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
-        hidden = self.embed_tokens(input_ids)
+    ) -> torch.Tensor:  # [T, hidden] (on a stage before the last: its layers' output, already sent on)
+        if self.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = receive_activations(input_ids.shape[0], self.hidden_size, self.norm.weight.dtype,
+                                                   self.pp_rank)
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer], kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+        if not self.is_last:
+            send_activations(hidden, residual, self.pp_rank)
+            return hidden
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
-        t = {f"{prefix}.embed_tokens.weight": WeightTarget(self.embed_tokens.weight),
-             f"{prefix}.norm.weight": WeightTarget(self.norm.weight)}
-        for i, layer in enumerate(self.layers):
-            t.update(layer.weight_targets(f"{prefix}.layers.{i}"))
+        t = {f"{prefix}.norm.weight": WeightTarget(self.norm.weight)}
+        if self.embed_tokens is not None:
+            t[f"{prefix}.embed_tokens.weight"] = WeightTarget(self.embed_tokens.weight, shard=self.embed_tokens.shard)
+        for i in range(self.start_layer, self.end_layer):
+            t.update(self.layers[i].weight_targets(f"{prefix}.layers.{i}"))
         return t
+
+    def other_stage_weight(self, name: str) -> bool:
+        """True for a checkpoint tensor (HF name) that another pipeline stage loads."""
+        if name.startswith("model.layers."):
+            i = int(name.split(".")[2])
+            return not self.start_layer <= i < self.end_layer
+        return name.startswith("model.embed_tokens.") and self.embed_tokens is None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -210,10 +263,12 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        check_tensor_parallel(config, get_tp_size())
         self.config = config
         self.model = self.model_class(config)
         tie = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie)
+        # only the last pipeline stage computes logits
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie) if self.model.is_last else None
 
     def forward(
         self,
@@ -225,21 +280,23 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32 (pass only the rows to sample from)."""
-        return self.lm_head(hidden)
+        """[N, hidden] -> [N, vocab] float32 (pass only the rows to sample from). Every pipeline stage gets the last
+        stage's logits."""
+        logits = self.lm_head(hidden) if self.lm_head is not None else None
+        return share_logits(logits, hidden.shape[0], self.config.vocab_size, hidden.device, self.model.pp_size)
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         """Every HF tensor name this model expects, mapped to where it goes."""
         t = self.model.weight_targets("model")
-        if not self.lm_head.tied:
-            t["lm_head.weight"] = WeightTarget(self.lm_head.weight)
+        if self.lm_head is not None and not self.lm_head.tied:
+            t["lm_head.weight"] = WeightTarget(self.lm_head.weight, shard=self.lm_head.shard)
         return t
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:
         """Load HF-named tensors (any dtype; cast on copy) or quantized ``PackedWeight``s (kept packed in the
         projections, see ``rooflm.models.weights``). Raises ValueError on a missing tensor or a shape mismatch."""
-        optional = ("lm_head.weight",) if self.lm_head.tied else ()
+        optional = ("lm_head.weight",) if self.lm_head is None or self.lm_head.tied else ()
         load_named_weights(self.weight_targets(), self._packed_tied_head(weights), optional=optional, model=self)
 
     def _packed_tied_head(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]):
@@ -247,8 +304,12 @@ class LlamaForCausalLM(nn.Module):
         ``token_embd`` in its quantized blocks and uses it for both): the tied head then holds that packed weight
         itself, while the embedding keeps the float copy lookups need."""
         for name, tensor in weights:
-            if name == "lm_head.weight" and self.lm_head.tied and isinstance(tensor, PackedWeight):
-                self.lm_head.set_packed(tensor)
+            if self.model.other_stage_weight(name):
+                continue
+            if name == "lm_head.weight" and self.lm_head is not None and self.lm_head.tied and isinstance(
+                    tensor, PackedWeight):
+                shard = self.lm_head.shard
+                self.lm_head.set_packed(tensor if shard is None else narrow_weight(tensor, shard))
                 continue
             yield name, tensor
 

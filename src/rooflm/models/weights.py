@@ -9,6 +9,9 @@ quantized). For the weight of a ``Linear`` or an untied ``LMHead``, whole or one
 (``qkv_proj`` = [q | k | v], ``gate_up_proj`` = [gate | up]), the shards of a layer are collected and, once all of
 its rows arrived, stacked (``cat_rows``) and handed to the layer's ``set_packed``. Elsewhere (embeddings, norms,
 Mixtral's stacked experts) the packed weight is dequantized and copied like a float tensor.
+
+Under tensor parallelism a target carries a ``Shard`` (``rooflm.distributed.partition``): each checkpoint tensor is
+cut to this rank's rows or columns as it streams past, so no rank ever holds the whole model in its parameters.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rooflm.distributed.partition import Shard, narrow_weight
 from rooflm.layers.linear import QuantizableMixin
 from rooflm.quantization.packed import PackedWeight, cat_rows, dequantize
 
@@ -32,6 +36,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.
 class WeightTarget:
     param: nn.Parameter
     index: tuple = ()  # where in ``param`` the checkpoint tensor goes; () is the whole parameter
+    shard: Shard | None = None  # the part of the checkpoint tensor this tensor-parallel rank loads; None: all of it
 
     def view(self) -> torch.Tensor:
         return self.param.data[self.index] if self.index else self.param.data
@@ -115,6 +120,8 @@ def load_named_weights(
             if name not in optional and not name.endswith(IGNORED_SUFFIXES):
                 logger.warning("ignoring checkpoint tensor %s: the model has no place for it", name)
             continue
+        if target.shard is not None:
+            tensor = narrow_weight(tensor, target.shard)
         layer = shards.layer_of(target)
         if isinstance(tensor, PackedWeight):
             if layer is not None:

@@ -1,0 +1,204 @@
+"""Process-group state for tensor parallelism (Megatron-LM, Shoeybi et al. 2019), with vLLM's names.
+
+One process per rank. ``init_distributed`` joins the group and records this rank. The layers read ``get_tp_size()``
+/ ``get_tp_rank()`` (and the pipeline's) when they are built, to allocate only their shard, keep what they read, and
+call the communication ops below in ``forward`` only when their own size is above 1. The getters report the group
+only inside ``building_sharded_model()`` (the engine enters it while it builds and loads the model of a group):
+any other model built in the same process, e.g. a second engine at one rank, is whole and never communicates.
+Without an initialised group (the default: one process) the sizes are 1 and the ranks 0.
+
+Two groups cover the same ranks:
+
+- the *device group* (NCCL on CUDA, gloo on the CPU) carries activations: ``tp_all_reduce``, ``tp_all_gather``;
+- the *CPU group* (always gloo) carries pickled Python objects: ``broadcast_object`` (each step's scheduler
+  output) and ``all_reduce_min`` (the KV pool size every rank can afford). Keeping control traffic off NCCL avoids a
+  device synchronisation per message.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelState:
+    """This rank's place. Either tensor or pipeline parallelism spans the ranks (not both at once): with
+    ``pp_size == 1`` every rank is a tensor-parallel rank, with ``tp_size == 1`` rank r runs pipeline stage r."""
+
+    world_size: int
+    rank: int
+    device: torch.device
+    backend: str
+    device_group: Any
+    cpu_group: Any
+    pp_size: int = 1
+
+    @property
+    def tp_size(self) -> int:
+        return self.world_size // self.pp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank if self.pp_size == 1 else 0
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank if self.pp_size > 1 else 0
+
+
+_STATE: ParallelState | None = None
+_BUILDING = False  # inside building_sharded_model()
+
+
+@contextlib.contextmanager
+def building_sharded_model() -> Iterator[None]:
+    """Models built (and loaded) inside take their shard of the process group's ranks."""
+    global _BUILDING
+    before, _BUILDING = _BUILDING, True
+    try:
+        yield
+    finally:
+        _BUILDING = before
+
+
+def init_distributed(world_size: int, rank: int, init_method: str, device: torch.device,
+                     timeout_s: float = 600.0, pp_size: int = 1,
+                     control_timeout_s: float | None = None) -> ParallelState:
+    """Join the process group of ``world_size`` ranks as ``rank`` (``init_method``: a ``file://`` or ``tcp://`` URL,
+    or ``env://`` under torchrun); ``pp_size``: 1 (tensor parallelism) or ``world_size`` (pipeline stages). NCCL
+    when ``device`` is CUDA, gloo otherwise. ``timeout_s`` bounds every collective, so a rank that stops answering ends the others with an error instead of a hang; ``control_timeout_s``
+    replaces it on the CPU group (a worker that waits there for the next step may wait as long as the engine idles)."""
+    global _STATE
+    if _STATE is not None:
+        raise RuntimeError("the distributed state is already initialised in this process")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is invalid for world_size={world_size}")
+    if pp_size not in (1, world_size):
+        raise ValueError(f"pp_size={pp_size} is invalid for world_size={world_size}: expected 1 or {world_size}")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank, timeout=timeout)
+    device_group = dist.group.WORLD
+    if backend != "gloo" or control_timeout_s is not None:
+        control = timeout if control_timeout_s is None else datetime.timedelta(seconds=control_timeout_s)
+        cpu_group = dist.new_group(backend="gloo", timeout=control)
+    else:
+        cpu_group = device_group
+    _STATE = ParallelState(world_size, rank, device, backend, device_group, cpu_group, pp_size)
+    return _STATE
+
+
+def destroy_distributed() -> None:
+    """Leave the process group (a no-op when none was joined)."""
+    global _STATE
+    if _STATE is None:
+        return
+    _STATE = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def get_state() -> ParallelState | None:
+    return _STATE
+
+
+def _sharding() -> bool:
+    return _STATE is not None and _BUILDING
+
+
+def get_tp_size() -> int:
+    return _STATE.tp_size if _sharding() else 1
+
+
+def get_tp_rank() -> int:
+    return _STATE.tp_rank if _sharding() else 0
+
+
+def get_pp_size() -> int:
+    return _STATE.pp_size if _sharding() else 1
+
+
+def get_pp_rank() -> int:
+    return _STATE.pp_rank if _sharding() else 0
+
+
+def pp_send(x: torch.Tensor, dst: int) -> None:
+    """Send ``x`` to pipeline rank ``dst`` (the receiver knows its shape and dtype)."""
+    dist.send(x.contiguous(), dst, group=_STATE.device_group)
+
+
+def pp_recv(shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+    """Receive a tensor of ``shape`` and ``dtype`` from pipeline rank ``src``, on this rank's device."""
+    x = torch.empty(shape, dtype=dtype, device=_STATE.device)
+    dist.recv(x, src, group=_STATE.device_group)
+    return x
+
+
+def pp_broadcast(x: torch.Tensor, src: int) -> torch.Tensor:
+    """``x`` from rank ``src`` on every rank (in place: the others pass a buffer of the right shape)."""
+    dist.broadcast(x, src, group=_STATE.device_group)
+    return x
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of ``x`` over the tensor-parallel ranks (in place; ``x`` itself at size 1). Every rank ends with the
+    same values: the ring algorithms of gloo and NCCL reduce each chunk once and then copy it around."""
+    if _STATE is None or _STATE.tp_size == 1:
+        return x
+    dist.all_reduce(x, group=_STATE.device_group)
+    return x
+
+
+def tp_all_gather(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Concatenate each rank's ``x`` along the last dimension; ``sizes`` lists every rank's width there (they may
+    differ by one when a dimension does not split evenly: the narrow shards are padded for the collective and the
+    padding dropped). ``x`` itself at size 1."""
+    if _STATE is None or _STATE.tp_size == 1:
+        return x
+    width = max(sizes)
+    if x.shape[-1] < width:
+        x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in sizes]
+    dist.all_gather(parts, x, group=_STATE.device_group)
+    return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
+
+
+def broadcast_object(obj: Any = None, src: int = 0) -> Any:
+    """``obj`` from rank ``src`` to every rank (pickled, over the CPU group); returns it on every rank."""
+    if _STATE is None or _STATE.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=_STATE.cpu_group)
+    return box[0]
+
+
+def all_reduce_min(value: int) -> int:
+    """The smallest ``value`` over the ranks (over the CPU group)."""
+    if _STATE is None or _STATE.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_STATE.cpu_group)
+    return int(t.item())
+
+
+def abandon_distributed() -> None:
+    """Leave the process group after a peer died: gloo's teardown is local; an NCCL group is aborted, since a clean
+    NCCL teardown waits for the peers."""
+    global _STATE
+    state, _STATE = _STATE, None
+    if state is None or not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if state.backend == "nccl" and abort is not None:
+        abort()
+    else:
+        dist.destroy_process_group()

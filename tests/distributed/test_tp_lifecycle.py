@@ -1,0 +1,91 @@
+"""Worker processes of a tensor-parallel engine: refused configurations, a worker killed between steps, shutdown."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from tp_helpers import TINY
+from rooflm.config import EngineConfig
+from rooflm.distributed.executor import WorkerDiedError
+from rooflm.distributed.parallel_state import get_state
+from rooflm.sampling_params import SamplingParams
+
+
+@pytest.fixture
+def tiny_config(tmp_path) -> str:
+    """A config.json alone: random weights, quick to load in every rank."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    return str(path)
+
+
+@pytest.mark.parametrize("tp", [0, -1, True, 1.5])
+def test_bad_tensor_parallel_size_is_a_value_error_naming_it(tp):
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=tp)
+
+
+def test_unsplittable_model_is_refused_before_any_worker_starts(make_engine, tiny_config):
+    import multiprocessing
+
+    before = multiprocessing.active_children()
+    with pytest.raises(ValueError, match="tensor_parallel_size=3"):  # 4 query heads, 1 KV head: 3 does not fit
+        make_engine(model=tiny_config, load_format="dummy", tensor_parallel_size=3)
+    assert multiprocessing.active_children() == before and get_state() is None
+
+
+def test_a_worker_killed_between_steps_makes_the_next_step_raise(make_engine, tiny_config):
+    engine = make_engine(model=tiny_config, load_format="dummy", tensor_parallel_size=2)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3, 4], params)
+    engine.step()
+    engine.step()
+    (worker,) = engine.parallel.procs
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join()  # dead before the next step: nothing races
+    with pytest.raises(WorkerDiedError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+        engine.step()
+    with pytest.raises(WorkerDiedError):  # the engine stays down
+        engine.step()
+    engine.abort_request("a")
+    assert get_state() is None  # the group was left, so another engine may start
+
+
+def test_shutdown_stops_every_worker_and_a_new_engine_can_start(make_engine, tiny_config):
+    engine = make_engine(model=tiny_config, load_format="dummy", tensor_parallel_size=2)
+    (worker,) = engine.parallel.procs
+    engine.shutdown()
+    assert worker.exitcode == 0 and get_state() is None
+    engine.shutdown()  # idempotent
+    again = make_engine(model=tiny_config, load_format="dummy", tensor_parallel_size=2)
+    again.add_request("b", [5, 6], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    while again.has_unfinished_requests():
+        again.step()
+
+
+def test_a_preloaded_model_is_refused_under_tensor_parallelism(tiny_config):
+    from rooflm.engine.engine import LLMEngine
+    from rooflm.loader import load_model
+
+    model, cfg = load_model(tiny_config, load_format="dummy", show_progress=False)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        LLMEngine(EngineConfig(model=tiny_config, load_format="dummy", tensor_parallel_size=2, device="cpu"),
+                  model=model, model_config=cfg)
+
+
+def test_a_one_rank_engine_beside_a_tensor_parallel_one_is_whole(make_engine, tiny_checkpoint):
+    """The process group belongs to the engine that made it: a model built later in the same process at one rank
+    holds every weight and never joins the group's collectives."""
+    tp = make_engine(model=tiny_checkpoint, tensor_parallel_size=2)
+    one = make_engine(model=tiny_checkpoint)
+    assert (one.model.lm_head.out_features, tp.model.lm_head.out_features) == (131, 66)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for engine in (one, tp, one):
+        engine.add_request("x", [1, 2, 3], params)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        assert len(outs[-1].outputs[0].token_ids) == 6
