@@ -90,6 +90,11 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def capture(self, sizes: list[int]) -> None:
         t0 = time.perf_counter()
+        # Warm-up and capture on one side stream: a collective (tensor parallelism's all-reduce) first run on one
+        # stream and then captured on another hangs the capture, and PyTorch recommends warming up off the default
+        # stream anyway.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         # Dummy decode rows: context length 1, each reading (and writing) slot 0 of block 0, which the KV manager
         # has not handed out yet (capture runs before the first request); outputs are discarded.
         for bs in sorted(sizes, reverse=True):
@@ -98,11 +103,12 @@ class DecodeGraphRunner:
             self.slot_mapping[:bs].fill_(-1)
             self.seq_lens[:bs].fill_(1)
             self.block_tables[:bs].zero_()
-            for _ in range(2):  # compile, tune and settle the allocator outside the capture
-                self._forward(bs)
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile, tune and settle the allocator outside the capture
+                    self._forward(bs)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                 hidden, logits = self._forward(bs)
             if self.pool is None:
                 self.pool = graph.pool()
