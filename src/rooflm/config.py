@@ -12,6 +12,7 @@ SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority", "mlfq", "fair")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # vLLM's names; fp8 is float8_e4m3fn
+PREEMPTION_MODES = ("recompute", "swap", "auto")  # vLLM's names (rooflm.kv_cache.swap)
 
 
 def _bad(cls: str, name: str, value: object, accepted: str) -> ValueError:
@@ -255,6 +256,11 @@ class EngineConfig:
     # checkpoint holds: float, GPTQ/AWQ, or a GGUF file kept quantized), "none", "w8a16", "w4a16", "gptq", "awq",
     # "gguf", "fp8".
     quantization: str | None = None
+    # Preemption when the KV pool runs short (vLLM's names): "recompute" frees the victim's blocks and recomputes its
+    # context on resume; "swap" copies them to a host buffer of ``swap_space`` GiB and back; "auto" swaps when the
+    # roofline's time to recompute the context exceeds the transfer time (rooflm.kv_cache.swap).
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -276,6 +282,10 @@ class EngineConfig:
             raise _bad("EngineConfig", "gpu_memory_utilization", self.gpu_memory_utilization, "a number in (0, 1]")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise _bad("EngineConfig", "async_scheduling", self.async_scheduling, "True, False or None (auto)")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise _bad("EngineConfig", "preemption_mode", self.preemption_mode, f"one of {PREEMPTION_MODES}")
+        if not isinstance(self.swap_space, (int, float)) or isinstance(self.swap_space, bool) or self.swap_space < 0:
+            raise _bad("EngineConfig", "swap_space", self.swap_space, "a number of GiB >= 0")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise _bad("EngineConfig", "max_model_len", self.max_model_len, "a positive integer or None")
         from rooflm.spec_decode.config import SpeculativeConfig

@@ -110,6 +110,9 @@ class LLMEngine:
                                   kv_cache_dtype=config.kv_cache_dtype)
         self.output_processor = OutputProcessor(tokenizer, frozenset(self.eos_token_ids))
         per_block = kv_bytes_per_block(cfg, config.block_size, self.dtype, config.kv_cache_dtype)
+        from rooflm.worker.swap_space import setup_swap
+
+        setup_swap(self, per_block)
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         from rooflm.spec_decode.config import SpeculativeConfig

@@ -54,6 +54,9 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), run before the forward pass
     # req_id -> num_computed_tokens once this step has run: the context length of its attention.
     num_computed_tokens_after: dict[str, int] = field(default_factory=dict)
+    # Swap preemption (rooflm.kv_cache.swap), run before the forward pass, swap-outs first:
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -32,6 +32,7 @@ from rooflm.engine.sched_output import (CachedRequestData, EngineCoreOutput, Mod
                                         SchedulerOutput)
 from rooflm.engine.stop_checker import FINISH_LENGTH, check_stop
 from rooflm.kv_cache import KVCacheManager
+from rooflm.kv_cache.swap import SwapManager
 
 FINISH_ABORT = "abort"
 
@@ -57,6 +58,8 @@ class Scheduler:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verifications = 0
+        # Swap preemption (rooflm.kv_cache.swap): set by the engine unless preemption_mode is "recompute".
+        self.swap: SwapManager | None = None
 
     # -- requests -----------------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -85,6 +88,8 @@ class Scheduler:
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
         self.kv.free(req.request_id)
+        if self.swap is not None:
+            self.swap.drop(req.request_id)
         self.policy.on_finish(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
@@ -173,12 +178,17 @@ class Scheduler:
                 budget += self._evict(victim, chosen, preempted, spec_used)
                 continue
             hits, num_cached = [], 0
-            lookup = self.kv.enable_prefix_caching and not req.wants_prompt_logprobs  # those need every position
-            if lookup:
+            swapped = self.swap is not None and self.swap.holds(req.request_id)
+            # (prompt logprobs need every position: no lookup for those)
+            lookup = not swapped and self.kv.enable_prefix_caching and not req.wants_prompt_logprobs
+            if swapped:  # its KV comes back from host memory
+                num_cached = req.num_computed_tokens
+            elif lookup:
                 hashes = req.update_block_hashes(self.kv.block_size)
                 hits, num_cached = self.kv.get_computed_blocks_by_hash(hashes, req.num_tokens, record=False)
             num_new = min(req.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(req.request_id, num_cached, num_cached + num_new, hits):
+            if not (self._swap_in(req, num_new) if swapped
+                    else self.kv.allocate_slots(req.request_id, num_cached, num_cached + num_new, hits)):
                 victim = self._victim_for(req)
                 if victim is None:
                     break  # nobody jumps the policy's queue
@@ -202,15 +212,33 @@ class Scheduler:
             budget -= num_new
 
     def _preempt(self, req: Request) -> None:
-        """Free ``req``'s blocks and put it back at the front of the queue; its tokens are kept for recompute."""
+        """Free ``req``'s blocks and put it back at the front of the queue; its tokens are kept. Its KV is either
+        swapped out to host memory (``self.swap`` decides) or recomputed on resume."""
         self.running.remove(req)
+        n_blocks = self.kv.blocks_needed(req.num_computed_tokens)
+        if self.swap is not None and self.swap.should_swap(n_blocks, req.num_computed_tokens):
+            self.swap.swap_out(req.request_id, self.kv.get_block_ids(req.request_id)[:n_blocks])
+        else:
+            req.num_computed_tokens = 0
+            if self.swap is not None:
+                self.swap.stats.recomputes += 1
         self.kv.free(req.request_id)
-        req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _swap_in(self, req: Request, num_new: int) -> bool:
+        """Fresh device blocks for a swapped-out request's KV (queued to be copied back) plus this step's tokens;
+        False (nothing changed) when the pool cannot supply them."""
+        if self.kv.blocks_needed(req.num_computed_tokens + num_new) > self.kv.num_free_blocks:
+            return False
+        self.swap.swap_in(req.request_id, self.kv.allocate_restored(req.request_id,
+                                                                    self.swap.num_blocks_of(req.request_id)))
+        if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, req.num_computed_tokens + num_new):
+            raise RuntimeError(f"request {req.request_id!r}: the pool changed while it was swapped in")
+        return True
 
     def _build_output(self, chosen: dict[str, int], preempted: set[str], spec_used: dict[str, int]) -> SchedulerOutput:
         new_reqs: list[NewRequestData] = []
@@ -254,8 +282,9 @@ class Scheduler:
         finished: set[str] = set()
         if chosen:  # an empty step is not executed: keep the finished ids for the next one the runner sees
             finished, self._finished_for_runner = self._finished_for_runner, set()
+        swap_out, swap_in = self.swap.take() if self.swap is not None else ([], [])
         return SchedulerOutput(new_reqs, cached, chosen, sampling, spec_tokens, finished, preempted,
-                               self.kv.take_pending_copies(), computed_after)
+                               self.kv.take_pending_copies(), computed_after, swap_out, swap_in)
 
     # -- after the forward pass ----------------------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:

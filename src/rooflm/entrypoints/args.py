@@ -16,6 +16,9 @@ _HELP = {
     "max_num_batched_tokens": "token budget of one engine step (chunked prefill)",
     "async_scheduling": "schedule step N+1 while step N runs on the GPU (auto: on for CUDA, off on the CPU)",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV pool",
+    "preemption_mode": "recompute | swap | auto: what happens to a preempted request's KV (auto: swap when the "
+                       "roofline's time to recompute its context exceeds the host transfer time)",
+    "swap_space": "GiB of host memory for swapped-out KV blocks (preemption_mode swap or auto)",
     # rooflm.quantization.config.QUANTIZATION_METHODS, written out so that --help does not import torch
     "quantization": "none | w8a16 | w4a16 | gptq | awq | gguf | fp8: how the projection weights are stored and "
                     "multiplied; unset: what the checkpoint holds (float, GPTQ/AWQ, a GGUF file kept quantized)",

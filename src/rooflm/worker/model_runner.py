@@ -122,6 +122,7 @@ class ModelRunner:
         self._pin = device.type == "cuda"  # pinned host buffers for the per-step inputs
         self.num_block_copies = 0
         self.graph_runner = None  # decode CUDA graphs (worker/cuda_graphs.py), set by capture_graphs()
+        self.swap_space = None  # HostSwapSpace (worker/swap_space.py) under swap preemption
 
     def capture_graphs(self, max_num_seqs: int) -> None:
         """Capture decode CUDA graphs (the runner's one graph-or-eager choice is made per step in ``execute``)."""
@@ -227,6 +228,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepHandle:
         self._update_states(out)
+        if self.swap_space is not None:
+            self.swap_space.run(self.kv_caches, out.blocks_to_swap_out, out.blocks_to_swap_in)
         self._copy_blocks(out.blocks_to_copy)
         states, ids, pos, meta, sample_idx, spec_idx, rows_t = self._prepare(out)
         graph_logits = None
