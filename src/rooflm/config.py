@@ -261,6 +261,9 @@ class EngineConfig:
     # roofline's time to recompute the context exceeds the transfer time (rooflm.kv_cache.swap).
     preemption_mode: str = "recompute"
     swap_space: float = 4.0
+    # Lossy KV compression, off by default: {"method": "streaming", "budget": tokens kept per request, "sink": 4}
+    # (StreamingLLM), a dict or its JSON text; see rooflm.kv_cache.compression.KVCompressionConfig.
+    kv_compression: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -286,6 +289,9 @@ class EngineConfig:
             raise _bad("EngineConfig", "preemption_mode", self.preemption_mode, f"one of {PREEMPTION_MODES}")
         if not isinstance(self.swap_space, (int, float)) or isinstance(self.swap_space, bool) or self.swap_space < 0:
             raise _bad("EngineConfig", "swap_space", self.swap_space, "a number of GiB >= 0")
+        from rooflm.kv_cache.compression import KVCompressionConfig
+
+        KVCompressionConfig.parse(self.kv_compression)
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise _bad("EngineConfig", "max_model_len", self.max_model_len, "a positive integer or None")
         from rooflm.spec_decode.config import SpeculativeConfig

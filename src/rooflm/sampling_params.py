@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rooflm.kv_cache.compression import KVCompressionConfig
 
 # A temperature below this is treated as greedy (dividing logits by it would overflow float32).
 SAMPLING_EPS = 1e-5
@@ -55,6 +59,9 @@ class SamplingParams:
     # client the "fair" policy accounts service to (OpenAI's ``user`` field).
     priority: int = 0
     user: str | None = None
+    # Lossy KV compression for this request, overriding the engine's (rooflm.kv_cache.compression): a dict such as
+    # {"method": "streaming", "budget": 512, "sink": 4}, normalised to a KVCompressionConfig; None: the engine's.
+    kv_compression: KVCompressionConfig | dict | None = None
 
     def __post_init__(self) -> None:
         # Container types are checked before normalising, so a bad type is a ValueError, not a TypeError.
@@ -77,6 +84,10 @@ class SamplingParams:
                 _fail("logit_bias", self.logit_bias, f"None or a dict of token id -> bias in [{-MAX_LOGIT_BIAS:g}, "
                       f"{MAX_LOGIT_BIAS:g}]")
             self.logit_bias = dict(self.logit_bias) or None
+        if self.kv_compression is not None:
+            from rooflm.kv_cache.compression import KVCompressionConfig
+
+            self.kv_compression = KVCompressionConfig.parse(self.kv_compression)
         if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
         self._validate()

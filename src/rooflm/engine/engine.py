@@ -100,11 +100,17 @@ class LLMEngine:
         self.roofline = LiveRoofline.for_engine(cfg, self.dtype, self.device, kv_dtype=self.kv_dtype,
                                                 weight_format=weight_format(self.model))
         num_blocks = self._num_blocks(cfg)
+        from rooflm.kv_cache.compression import KVCompressionConfig
+
+        self.kv_compression = KVCompressionConfig.parse(config.kv_compression)
+        if self.kv_compression is not None:
+            self.kv_compression.check(config.block_size)
         self.max_model_len = self._max_model_len(cfg, num_blocks)
         self.eos_token_ids = self._eos_ids(cfg)
         self.scheduler_config = config.scheduler_config(self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.eos_token_ids)
+        self.scheduler.compression = self.kv_compression
         self.runner = ModelRunner(self.model, cfg, num_blocks, config.block_size, self.device, self.dtype,
                                   config.max_num_seqs, self.max_model_len, self.eos_token_ids,
                                   kv_cache_dtype=config.kv_cache_dtype)
@@ -164,7 +170,8 @@ class LLMEngine:
 
     def _max_model_len(self, cfg: ModelConfig, num_blocks: int) -> int:
         c = self.config
-        capacity = num_blocks * c.block_size
+        # with KV compression a request holds at most its budget: its length is not bounded by the pool
+        capacity = cfg.max_position_embeddings if self.kv_compression is not None else num_blocks * c.block_size
         if c.max_model_len is not None:
             if c.max_model_len > cfg.max_position_embeddings:
                 raise ValueError(f"max_model_len={c.max_model_len} exceeds the model's max_position_embeddings="

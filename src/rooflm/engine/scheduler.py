@@ -32,6 +32,7 @@ from rooflm.engine.sched_output import (CachedRequestData, EngineCoreOutput, Mod
                                         SchedulerOutput)
 from rooflm.engine.stop_checker import FINISH_LENGTH, check_stop
 from rooflm.kv_cache import KVCacheManager
+from rooflm.kv_cache.compression import KVCompressionConfig, plan_drop
 from rooflm.kv_cache.swap import SwapManager
 
 FINISH_ABORT = "abort"
@@ -60,11 +61,17 @@ class Scheduler:
         self.num_verifications = 0
         # Swap preemption (rooflm.kv_cache.swap): set by the engine unless preemption_mode is "recompute".
         self.swap: SwapManager | None = None
+        # Engine-wide KV compression (a request's SamplingParams.kv_compression overrides it); None: off.
+        self.compression: KVCompressionConfig | None = None
+        self._dropped: dict[str, tuple[int, int]] = {}
 
     # -- requests -----------------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id={request.request_id!r} is already in use")
+        comp = self._compression(request)
+        if comp is not None:
+            comp.check(self.kv.block_size)
         request.arrival_index = self._num_added
         self._num_added += 1
         self.policy.add(request, self.waiting)
@@ -133,8 +140,11 @@ class Scheduler:
             if num_new <= 0 or (req.num_output_placeholders and self._will_finish(req)):
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens,
-                                             req.num_computed_tokens + num_new):
+            if self._compression(req) is not None:
+                spec_used.pop(req.request_id, None)  # no draft tokens: a step's tokens are capped by the budget
+                num_new = self._compress(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            cached = req.num_computed_tokens - req.num_dropped_tokens
+            while not self.kv.allocate_slots(req.request_id, cached, cached + num_new):
                 victim = self.policy.victim(self.running)
                 budget += self._evict(victim, chosen, preempted, spec_used)
                 if victim is req:
@@ -179,14 +189,18 @@ class Scheduler:
                 continue
             hits, num_cached = [], 0
             swapped = self.swap is not None and self.swap.holds(req.request_id)
-            # (prompt logprobs need every position: no lookup for those)
-            lookup = not swapped and self.kv.enable_prefix_caching and not req.wants_prompt_logprobs
+            comp = self._compression(req)
+            # (prompt logprobs need every position, a compressed request full-attention KV: no lookup for those)
+            lookup = (not swapped and self.kv.enable_prefix_caching and not req.wants_prompt_logprobs
+                      and comp is None)
             if swapped:  # its KV comes back from host memory
                 num_cached = req.num_computed_tokens
             elif lookup:
                 hashes = req.update_block_hashes(self.kv.block_size)
                 hits, num_cached = self.kv.get_computed_blocks_by_hash(hashes, req.num_tokens, record=False)
             num_new = min(req.num_tokens - num_cached, budget)
+            if comp is not None:
+                num_new = min(num_new, comp.max_new_tokens(self.kv.block_size))
             if not (self._swap_in(req, num_new) if swapped
                     else self.kv.allocate_slots(req.request_id, num_cached, num_cached + num_new, hits)):
                 victim = self._victim_for(req)
@@ -216,10 +230,11 @@ class Scheduler:
         swapped out to host memory (``self.swap`` decides) or recomputed on resume."""
         self.running.remove(req)
         n_blocks = self.kv.blocks_needed(req.num_computed_tokens)
-        if self.swap is not None and self.swap.should_swap(n_blocks, req.num_computed_tokens):
+        if (self.swap is not None and not req.num_dropped_tokens
+                and self.swap.should_swap(n_blocks, req.num_computed_tokens)):
             self.swap.swap_out(req.request_id, self.kv.get_block_ids(req.request_id)[:n_blocks])
         else:
-            req.num_computed_tokens = 0
+            req.num_computed_tokens = req.num_dropped_tokens = 0
             if self.swap is not None:
                 self.swap.stats.recomputes += 1
         self.kv.free(req.request_id)
@@ -228,6 +243,23 @@ class Scheduler:
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _compression(self, req: Request) -> KVCompressionConfig | None:
+        return req.params.kv_compression or self.compression
+
+    def _compress(self, req: Request, num_new: int) -> int:
+        """Cap a compressed request's new tokens and drop the oldest window blocks they would push past its budget
+        (StreamingLLM, rooflm.kv_cache.compression); returns the tokens to schedule."""
+        comp, bs = self._compression(req), self.kv.block_size
+        num_new = min(num_new, comp.max_new_tokens(bs))
+        n = plan_drop(comp, req.num_computed_tokens - req.num_dropped_tokens, num_new, bs)
+        if n:
+            start = comp.sink_blocks(bs)
+            self.kv.drop_blocks(req.request_id, start, n)
+            req.num_dropped_tokens += n * bs
+            self._sent_blocks[req.request_id] -= n  # dropped blocks were computed, so sent
+            self._dropped[req.request_id] = (start, n)
+        return num_new
 
     def _swap_in(self, req: Request, num_new: int) -> bool:
         """Fresh device blocks for a swapped-out request's KV (queued to be copied back) plus this step's tokens;
@@ -260,11 +292,11 @@ class Scheduler:
                 cached.append(CachedRequestData(rid, new_ids))
                 self._sent_blocks[rid] = sent + len(new_ids)
             req.num_computed_tokens = end = start + num_new
-            computed_after[rid] = end
+            computed_after[rid] = end - req.num_dropped_tokens  # the context its attention reads
             if end > req.prompt_high_water and req.prompt_high_water < req.num_prompt_tokens:
                 self.num_prompt_tokens_computed += min(end, req.num_prompt_tokens) - max(start, req.prompt_high_water)
                 req.prompt_high_water = min(end, req.num_prompt_tokens)
-            if self.kv.enable_prefix_caching:
+            if self.kv.enable_prefix_caching and self._compression(req) is None:
                 # Register the blocks this step fills as soon as it is scheduled (vLLM v1 does the same): any later
                 # step that reads them through a prefix hit runs after this one on the device. Only blocks of known
                 # tokens can be hashed; one ending in a token still in flight is registered at a later step.
@@ -283,8 +315,10 @@ class Scheduler:
         if chosen:  # an empty step is not executed: keep the finished ids for the next one the runner sees
             finished, self._finished_for_runner = self._finished_for_runner, set()
         swap_out, swap_in = self.swap.take() if self.swap is not None else ([], [])
+        dropped, self._dropped = self._dropped, {}
         return SchedulerOutput(new_reqs, cached, chosen, sampling, spec_tokens, finished, preempted,
-                               self.kv.take_pending_copies(), computed_after, swap_out, swap_in)
+                               self.kv.take_pending_copies(), computed_after, swap_out, swap_in,
+                               {r: d for r, d in dropped.items() if r in chosen})
 
     # -- after the forward pass ----------------------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:

@@ -241,6 +241,19 @@ class KVCacheManager:
         self._last_block_hash[seq_id] = None
         return [b.block_id for b in table]
 
+    def drop_blocks(self, seq_id: str, start: int, num_blocks: int) -> list[int]:
+        """Free ``num_blocks`` blocks of the sequence's table from index ``start`` on and close the gap (KV
+        compression drops whole blocks from the middle of a context); returns their ids."""
+        table = self._table(seq_id)
+        if not 0 <= start and start + num_blocks <= len(table):
+            raise ValueError(f"drop_blocks({seq_id!r}): blocks [{start}, {start + num_blocks}) are not in its "
+                             f"table of {len(table)}")
+        dropped = table[start:start + num_blocks]
+        del table[start:start + num_blocks]
+        self._num_cached_blocks[seq_id] = min(self._num_cached_blocks[seq_id], start)
+        self.block_pool.free_blocks(dropped)
+        return [b.block_id for b in dropped]
+
     # ---- prefix registration ----------------------------------------------------------------------------------
 
     def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int,

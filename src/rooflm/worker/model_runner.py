@@ -139,6 +139,8 @@ class ModelRunner:
         for new in out.new_reqs:
             self.batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.params, new.generator,
                            new.block_ids, new.num_computed_tokens)
+        for rid, (start, n) in out.kv_dropped.items():  # before the new blocks are appended
+            self.batch.drop_blocks(rid, start, n, self.block_size)
         for c in out.cached_reqs:
             self.batch.append_blocks(c.req_id, c.new_block_ids)
 
@@ -151,7 +153,8 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         starts = [0]
-        seq_lens: list[int] = []
+        seq_lens: list[int] = []  # context lengths in the cache (KV compression: dropped positions excluded)
+        dropped: list[int] = []
         rows: list[int] = []
         dev_idx: list[int] = []  # flat positions whose token is the row's last sampled one (still on the device)
         dev_rows: list[int] = []
@@ -174,7 +177,8 @@ class ModelRunner:
                 input_ids += s.token_ids[start:end]
                 positions += range(start, end)
             starts.append(len(input_ids))
-            seq_lens.append(end)
+            seq_lens.append(end - s.num_dropped)
+            dropped.append(s.num_dropped)
             rows.append(s.row)
             if rid in sampling:
                 if end != s.num_tokens + len(spec):
@@ -188,8 +192,8 @@ class ModelRunner:
         table = self.batch.block_table[rows]  # [n_seq, max_blocks]
         width = max(1, -(-max(seq_lens) // bs))
         table = table[:, :width]
-        pos = np.asarray(positions, dtype=np.int64)
         seq_of_tok = np.repeat(np.arange(n_seq), np.diff(np.asarray(starts)))
+        pos = np.asarray(positions, dtype=np.int64) - np.asarray(dropped, dtype=np.int64)[seq_of_tok]  # cache index
         slots = table[seq_of_tok, pos // bs] * bs + pos % bs
         # One host buffer, one host-to-device copy (pinned on CUDA, so it does not stall the host):
         # [input_ids | positions | slot_mapping | query_start_loc | seq_lens | dev_idx | dev_rows | rows | table]
