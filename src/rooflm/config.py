@@ -264,6 +264,9 @@ class EngineConfig:
     # Lossy KV compression, off by default: {"method": "streaming", "budget": tokens kept per request, "sink": 4}
     # (StreamingLLM), a dict or its JSON text; see rooflm.kv_cache.compression.KVCompressionConfig.
     kv_compression: dict[str, Any] | str | None = None
+    # SLO-aware admission: a request whose predicted time to first token (the live roofline's step times over the
+    # current queue; rooflm.engine.admission) exceeds this many milliseconds is refused at once. None: off.
+    ttft_slo_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -292,6 +295,9 @@ class EngineConfig:
         from rooflm.kv_cache.compression import KVCompressionConfig
 
         KVCompressionConfig.parse(self.kv_compression)
+        if self.ttft_slo_ms is not None and (not isinstance(self.ttft_slo_ms, (int, float))
+                                             or isinstance(self.ttft_slo_ms, bool) or not self.ttft_slo_ms > 0):
+            raise _bad("EngineConfig", "ttft_slo_ms", self.ttft_slo_ms, "a number of milliseconds > 0, or None")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise _bad("EngineConfig", "max_model_len", self.max_model_len, "a positive integer or None")
         from rooflm.spec_decode.config import SpeculativeConfig

@@ -141,6 +141,13 @@ class LLMEngine:
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float]] = deque()
         self._last_done = 0.0  # when the host last saw a step complete
         self.stats = EngineStats(num_total_blocks=num_blocks)
+        self.admission = None  # TTFTPredictor under ttft_slo_ms (rooflm.engine.admission)
+        if config.ttft_slo_ms is not None:
+            from rooflm.engine.admission import TTFTPredictor
+
+            roofline = self.roofline
+            self.admission = TTFTPredictor(lambda q, c, r: roofline.predict(q, c, r) / (roofline.fraction() or 1.0),
+                                           config.max_num_batched_tokens, config.max_num_seqs)
 
     # -- set-up ---------------------------------------------------------------------------------------------------------
     def _num_blocks(self, cfg: ModelConfig) -> int:
@@ -220,6 +227,8 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary [0, {vocab})")
+        if self.admission is not None:  # SLORejectedError: nothing was queued
+            self.admission.check(request_id, n, self.scheduler, self.config.ttft_slo_ms / 1e3)
         arrival = arrival_time or time.monotonic()
         child_params = [params.clone(n=1) if i == 0 else params.clone(n=1, prompt_logprobs=None)
                         for i in range(params.n)]

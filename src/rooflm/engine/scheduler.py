@@ -314,7 +314,9 @@ class Scheduler:
         finished: set[str] = set()
         if chosen:  # an empty step is not executed: keep the finished ids for the next one the runner sees
             finished, self._finished_for_runner = self._finished_for_runner, set()
-        swap_out, swap_in = self.swap.take() if self.swap is not None else ([], [])
+        # Swap copies wait for a step the runner executes: a step in which the only running request preempted itself
+        # is empty, and the copy of its blocks out must still happen before any later step reuses them.
+        swap_out, swap_in = self.swap.take() if self.swap is not None and chosen else ([], [])
         dropped, self._dropped = self._dropped, {}
         return SchedulerOutput(new_reqs, cached, chosen, sampling, spec_tokens, finished, preempted,
                                self.kv.take_pending_copies(), computed_after, swap_out, swap_in,
