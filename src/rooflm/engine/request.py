@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"  # waiting again, its KV freed; its tokens are kept and recomputed on resume
+    PREEMPTED = "preempted"  # waiting again, its KV freed (or swapped out); its tokens are kept
     FINISHED = "finished"
 
 

@@ -5,7 +5,8 @@ Every request has ``num_computed_tokens`` catching up to ``num_tokens``. Each ``
    an unfinished prompt: the next chunk), within ``max_num_batched_tokens``. When the KV pool cannot supply a
    block, the policy's victim (FCFS: the most recently admitted running request) is preempted: its blocks are freed
    and it goes back to the queue, to be recomputed later (its tokens so far are kept, so its output does not
-   change).
+   change), or, under swap preemption (``rooflm.kv_cache.swap``), its KV is copied to host memory and back.
+   A request under KV compression (``rooflm.kv_cache.compression``) first drops its oldest window blocks.
 2. if nothing was preempted, waiting requests are admitted in the policy's order (FCFS: first come first served)
    while the budget, the pool and ``max_num_seqs`` allow, their prompt's cached prefix (full blocks) skipped. A
    policy with classes (``priority``, ``mlfq``) may preempt running requests of a strictly lower class to admit a

@@ -245,7 +245,7 @@ class KVCacheManager:
         """Free ``num_blocks`` blocks of the sequence's table from index ``start`` on and close the gap (KV
         compression drops whole blocks from the middle of a context); returns their ids."""
         table = self._table(seq_id)
-        if not 0 <= start and start + num_blocks <= len(table):
+        if not (0 <= start and 0 <= num_blocks and start + num_blocks <= len(table)):
             raise ValueError(f"drop_blocks({seq_id!r}): blocks [{start}, {start + num_blocks}) are not in its "
                              f"table of {len(table)}")
         dropped = table[start:start + num_blocks]
