@@ -12,6 +12,7 @@ SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority", "mlfq", "fair")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # vLLM's names; fp8 is float8_e4m3fn
+PREEMPTION_MODES = ("recompute", "swap", "auto")  # vLLM's names (rooflm.kv_cache.swap)
 
 
 def _bad(cls: str, name: str, value: object, accepted: str) -> ValueError:
@@ -269,6 +270,17 @@ class EngineConfig:
     # Pipeline parallelism: the decoder layers split into this many stages, one process each (not combined with
     # tensor_parallel_size > 1).
     pipeline_parallel_size: int = 1
+    # Preemption when the KV pool runs short (vLLM's names): "recompute" frees the victim's blocks and recomputes its
+    # context on resume; "swap" copies them to a host buffer of ``swap_space`` GiB and back; "auto" swaps when the
+    # roofline's time to recompute the context exceeds the transfer time (rooflm.kv_cache.swap).
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0
+    # Lossy KV compression, off by default: {"method": "streaming", "budget": tokens kept per request, "sink": 4}
+    # (StreamingLLM), a dict or its JSON text; see rooflm.kv_cache.compression.KVCompressionConfig.
+    kv_compression: dict[str, Any] | str | None = None
+    # SLO-aware admission: a request whose predicted time to first token (the live roofline's step times over the
+    # current queue; rooflm.engine.admission) exceeds this many milliseconds is refused at once. None: off.
+    ttft_slo_ms: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cpu_offload_gb, (int, float)) or self.cpu_offload_gb < 0:
@@ -287,6 +299,16 @@ class EngineConfig:
         if parallel and self.cpu_offload_gb > 0:
             raise _bad("EngineConfig", "cpu_offload_gb", self.cpu_offload_gb,
                        "0 with tensor or pipeline parallelism (offloading is for one device)")
+        if parallel and self.preemption_mode != "recompute":
+            raise _bad("EngineConfig", "preemption_mode", self.preemption_mode,
+                       "'recompute' with tensor or pipeline parallelism (the swap copies run on rank 0 only)")
+        if self.kv_compression is not None and self.speculative_config is not None:
+            from rooflm.spec_decode.config import SpeculativeConfig
+
+            if SpeculativeConfig.parse(self.speculative_config).method != "ngram":
+                raise _bad("EngineConfig", "kv_compression", self.kv_compression,
+                           "None with a draft model or self-speculation (the draft's cache follows uncompressed "
+                           "positions)")
         if parallel and self.speculative_config is not None:
             from rooflm.spec_decode.config import SpeculativeConfig
 
@@ -316,6 +338,16 @@ class EngineConfig:
             raise _bad("EngineConfig", "gpu_memory_utilization", self.gpu_memory_utilization, "a number in (0, 1]")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise _bad("EngineConfig", "async_scheduling", self.async_scheduling, "True, False or None (auto)")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise _bad("EngineConfig", "preemption_mode", self.preemption_mode, f"one of {PREEMPTION_MODES}")
+        if not isinstance(self.swap_space, (int, float)) or isinstance(self.swap_space, bool) or self.swap_space < 0:
+            raise _bad("EngineConfig", "swap_space", self.swap_space, "a number of GiB >= 0")
+        from rooflm.kv_cache.compression import KVCompressionConfig
+
+        KVCompressionConfig.parse(self.kv_compression)
+        if self.ttft_slo_ms is not None and (not isinstance(self.ttft_slo_ms, (int, float))
+                                             or isinstance(self.ttft_slo_ms, bool) or not self.ttft_slo_ms > 0):
+            raise _bad("EngineConfig", "ttft_slo_ms", self.ttft_slo_ms, "a number of milliseconds > 0, or None")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise _bad("EngineConfig", "max_model_len", self.max_model_len, "a positive integer or None")
         from rooflm.spec_decode.config import SpeculativeConfig

@@ -118,16 +118,24 @@ class LLM:
     def _run(self, items: list[tuple[str | list[int], SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         # Validate everything before queueing anything, so a bad prompt leaves the engine untouched.
-        ids = []
+        from rooflm.engine.admission import SLORejectedError
+
+        ids: list[str | None] = []
+        rejected: dict[int, RequestOutput] = {}  # refused by SLO-aware admission: finished at once, no tokens
         try:
             for prompt, sp in items:
-                ids.append(engine.add_request(None, prompt, sp))
+                try:
+                    ids.append(engine.add_request(None, prompt, sp))
+                except SLORejectedError as e:
+                    rejected[len(ids)] = _rejected_output(engine, e, prompt, sp)
+                    ids.append(None)
         except ValueError:
             for rid in ids:
-                engine.abort_request(rid)
+                if rid is not None:
+                    engine.abort_request(rid)
             raise
-        order = {rid: i for i, rid in enumerate(ids)}
-        results: list[RequestOutput | None] = [None] * len(ids)
+        order = {rid: i for i, rid in enumerate(ids) if rid is not None}
+        results: list[RequestOutput | None] = [rejected.get(i) for i in range(len(ids))]
         bar = _progress(len(ids)) if use_tqdm and len(ids) > 1 else None
         try:
             while any(r is None for r in results):
@@ -139,13 +147,24 @@ class LLM:
                 if not engine.has_unfinished_requests() and any(r is None for r in results):
                     raise RuntimeError("the engine stopped with requests unfinished")
         except BaseException:
-            for rid in ids:
+            for rid in order:
                 engine.abort_request(rid)
             raise
         finally:
             if bar is not None:
                 bar.close()
         return results  # type: ignore[return-value]
+
+
+def _rejected_output(engine, e, prompt: str | list[int], sp: SamplingParams) -> RequestOutput:
+    """A request refused by SLO-aware admission, as a finished output: no tokens, finish reason "rejected" and the
+    reason as its stop_reason."""
+    from rooflm.engine.admission import FINISH_REJECTED
+    from rooflm.outputs import CompletionOutput
+
+    text, token_ids = engine._tokenize(prompt)
+    outs = [CompletionOutput(i, "", [], finish_reason=FINISH_REJECTED, stop_reason=str(e)) for i in range(sp.n)]
+    return RequestOutput(e.request_id, text, token_ids, outs, finished=True)
 
 
 def _progress(total: int):

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rooflm.kv_cache.compression import KVCompressionConfig
 
 from rooflm.structured.params import StructuredOutputsParams
 
@@ -60,6 +64,9 @@ class SamplingParams:
     # Constrained decoding (vLLM's name): a JSON schema, any JSON object, a regex, a choice or a grammar. A dict of
     # StructuredOutputsParams' fields is accepted and converted.
     structured_outputs: StructuredOutputsParams | None = None
+    # Lossy KV compression for this request, overriding the engine's (rooflm.kv_cache.compression): a dict such as
+    # {"method": "streaming", "budget": 512, "sink": 4}, normalised to a KVCompressionConfig; None: the engine's.
+    kv_compression: KVCompressionConfig | dict | None = None
 
     def __post_init__(self) -> None:
         # Container types are checked before normalising, so a bad type is a ValueError, not a TypeError.
@@ -83,6 +90,10 @@ class SamplingParams:
                       f"{MAX_LOGIT_BIAS:g}]")
             self.logit_bias = dict(self.logit_bias) or None
         self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
+        if self.kv_compression is not None:
+            from rooflm.kv_cache.compression import KVCompressionConfig
+
+            self.kv_compression = KVCompressionConfig.parse(self.kv_compression)
         if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
         self._validate()

@@ -56,6 +56,9 @@ def test_bench_latency_runs_tensor_parallel_on_the_cpu(tmp_path):
     (dict(tensor_parallel_size=2, data_parallel_size=2), "data_parallel_size"),
     (dict(tensor_parallel_size=2, cpu_offload_gb=1), "cpu_offload_gb"),
     (dict(pipeline_parallel_size=2, speculative_config={"method": "self"}), "speculative_config.method"),
+    (dict(tensor_parallel_size=2, preemption_mode="swap"), "preemption_mode"),
+    (dict(kv_compression={"method": "streaming", "budget": 256}, speculative_config={"method": "self"}),
+     "kv_compression"),
 ])
 def test_combinations_not_supported_with_parallelism_are_refused(kw, field):
     from rooflm.config import EngineConfig

@@ -69,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", default=None, metavar="A,B,...",
                    help="evaluate several settings in one run and print a table with each one's ratio to the first: "
                         "comma-separated QUANT or QUANT:KV_DTYPE, e.g. none,w8a16,w4a16 or none,none:int8")
+    p.add_argument("--kv-budgets", default=None, metavar="B,B,...",
+                   help="compare StreamingLLM KV compression budgets (tokens kept per request, 4 sink tokens; 0 = "
+                        "full attention), e.g. 0,256,512,1024; use with a small --max-num-batched-tokens so each "
+                        "scored token sees close to the whole budget (default: off)")
     add_output_args(p)
 
 
@@ -203,18 +207,34 @@ def engine_options(quantization: str | None, kv_cache_dtype: str | None) -> dict
     return out
 
 
-def _setting_name(quantization: str | None, kv_cache_dtype: str | None) -> str:
+def parse_budgets(spec: str) -> list[int]:
+    """``"0,256,512"`` -> [0, 256, 512]; 0 is full attention."""
+    try:
+        budgets = [int(b) for b in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"--kv-budgets {spec!r} is invalid: expected comma-separated integers >= 0") from None
+    if not budgets or any(b < 0 for b in budgets):
+        raise ValueError(f"--kv-budgets {spec!r} is invalid: expected comma-separated integers >= 0")
+    return budgets
+
+
+def _setting_name(quantization: str | None, kv_cache_dtype: str | None, budget: int | None = None) -> str:
     name = quantization or "default"
-    return f"{name}:{kv_cache_dtype}" if kv_cache_dtype else name
+    name = f"{name}:{kv_cache_dtype}" if kv_cache_dtype else name
+    if budget is not None:
+        name += f" streaming:{budget}" if budget else " full attention"
+    return name
 
 
 def _evaluate_setting(args: argparse.Namespace, text: str, quantization: str | None,
-                      kv_cache_dtype: str | None) -> tuple[dict, Any]:
+                      kv_cache_dtype: str | None, budget: int | None = None) -> tuple[dict, Any]:
     import torch
 
     from rooflm.llm import LLM
 
-    options = engine_options(quantization, kv_cache_dtype)
+    options: dict[str, Any] = engine_options(quantization, kv_cache_dtype)
+    if budget:
+        options["kv_compression"] = {"method": "streaming", "budget": budget, "sink": 4}
     t0 = time.perf_counter()
     try:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.window + 1,
@@ -230,7 +250,8 @@ def _evaluate_setting(args: argparse.Namespace, text: str, quantization: str | N
     r = perplexity(llm, ids, args.window, args.stride)
     eval_s = time.perf_counter() - t0
     engine = llm.engine
-    row = {"setting": _setting_name(quantization, kv_cache_dtype), "quantization": quantization,
+    row = {"setting": _setting_name(quantization, kv_cache_dtype, budget), "quantization": quantization,
+           "kv_budget": budget,
            "kv_cache_dtype": kv_cache_dtype, "perplexity": r.perplexity, "mean_nll": r.mean_nll,
            "num_tokens": r.num_tokens, "num_scored": r.num_scored, "num_windows": r.num_windows,
            "load_s": load_s, "eval_s": eval_s, "device": str(engine.device),
@@ -252,19 +273,23 @@ def run(args: argparse.Namespace) -> int:
     plan_windows(args.max_tokens, args.window, args.stride)  # check the flags before loading anything
     settings = (parse_compare(args.compare, args.kv_cache_dtype) if args.compare
                 else [(args.quantization, args.kv_cache_dtype)])
+    budgets = parse_budgets(args.kv_budgets) if getattr(args, "kv_budgets", None) else [None]
+    if args.compare and budgets != [None]:
+        raise ValueError("--compare and --kv-budgets are exclusive: compare one of them at a time")
     for q, kv in settings:  # an option the engine lacks fails now, not after the first setting's run
         engine_options(q, kv)
     text = load_text(args.text)
     rows = []
-    for q, kv in settings:
-        row, _ = _evaluate_setting(args, text, q, kv)
+    for (q, kv), b in [(s, b) for s in settings for b in budgets]:
+        row, _ = _evaluate_setting(args, text, q, kv, b)
         row["ratio"] = row["perplexity"] / rows[0]["perplexity"] if rows else 1.0
         rows.append(row)
     res = {"command": "rooflm bench perplexity " + " ".join(sys.argv[3:])
            if sys.argv[1:3] == ["bench", "perplexity"] else "",
            "model": args.model or "default (SmolLM2-135M-Instruct GGUF)", "text": args.text or DEFAULT_TEXT,
            "max_tokens": args.max_tokens, "window": args.window, "stride": args.stride or args.window,
-           "max_num_batched_tokens": args.max_num_batched_tokens, "results": rows}
+           "max_num_batched_tokens": args.max_num_batched_tokens,
+           "kv_budgets": getattr(args, "kv_budgets", None), "results": rows}
     with report_stream(args):
         _print(res)
     common = {k: res[k] for k in ("model", "text", "max_tokens", "window", "stride", "max_num_batched_tokens")}

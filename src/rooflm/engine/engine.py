@@ -149,6 +149,11 @@ class LLMEngine:
         num_blocks = self._num_blocks(kv_cfg)
         if self.parallel is not None:
             num_blocks = self.parallel.agree_num_blocks(num_blocks)
+        from rooflm.kv_cache.compression import KVCompressionConfig
+
+        self.kv_compression = KVCompressionConfig.parse(config.kv_compression)
+        if self.kv_compression is not None:
+            self.kv_compression.check(config.block_size)
         self.max_model_len = self._max_model_len(cfg, num_blocks)
         self.eos_token_ids = self._eos_ids(cfg)
         if self.parallel is not None:
@@ -156,11 +161,15 @@ class LLMEngine:
         self.scheduler_config = config.scheduler_config(self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.eos_token_ids)
+        self.scheduler.compression = self.kv_compression
         self.runner = ModelRunner(self.model, kv_cfg, num_blocks, config.block_size, self.device, self.dtype,
                                   config.max_num_seqs, self.max_model_len, self.eos_token_ids,
                                   kv_cache_dtype=config.kv_cache_dtype)
         self.output_processor = OutputProcessor(tokenizer, frozenset(self.eos_token_ids))
         per_block = kv_bytes_per_block(kv_cfg, config.block_size, self.dtype, config.kv_cache_dtype)
+        from rooflm.worker.swap_space import setup_swap
+
+        setup_swap(self, per_block)
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         from rooflm.spec_decode.proposer import SpeculativeProposer
@@ -195,6 +204,13 @@ class LLMEngine:
             self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                       self.eos_token_ids, pin_memory=self.device.type == "cuda")
         return self.structured
+        self.admission = None  # TTFTPredictor under ttft_slo_ms (rooflm.engine.admission)
+        if config.ttft_slo_ms is not None:
+            from rooflm.engine.admission import TTFTPredictor
+
+            roofline = self.roofline
+            self.admission = TTFTPredictor(lambda q, c, r: roofline.predict(q, c, r) / (roofline.fraction() or 1.0),
+                                           config.max_num_batched_tokens, config.max_num_seqs)
 
     # -- set-up ---------------------------------------------------------------------------------------------------------
     def _load_draft(self, cfg: ModelConfig) -> tuple[Any, int]:
@@ -223,7 +239,8 @@ class LLMEngine:
 
     def _max_model_len(self, cfg: ModelConfig, num_blocks: int) -> int:
         c = self.config
-        capacity = num_blocks * c.block_size
+        # with KV compression a request holds at most its budget: its length is not bounded by the pool
+        capacity = cfg.max_position_embeddings if self.kv_compression is not None else num_blocks * c.block_size
         if c.max_model_len is not None:
             if c.max_model_len > cfg.max_position_embeddings:
                 raise ValueError(f"max_model_len={c.max_model_len} exceeds the model's max_position_embeddings="
@@ -275,6 +292,11 @@ class LLMEngine:
         spec = params.structured_outputs
         if spec is not None:
             self._structured_manager().compile(spec)  # a schema / regex / grammar the backend refuses: ValueError
+        if params.kv_compression is not None and self.runner.drafter is not None:
+            raise ValueError(f"kv_compression={params.kv_compression} is not supported with speculative_config method "
+                             f"{self.spec_config.method!r} (the draft's cache follows uncompressed positions)")
+        if self.admission is not None:  # SLORejectedError: nothing was queued
+            self.admission.check(request_id, n, self.scheduler, self.config.ttft_slo_ms / 1e3)
         arrival = arrival_time or time.monotonic()
         child_params = [params.clone(n=1) if i == 0 else params.clone(n=1, prompt_logprobs=None)
                         for i in range(params.n)]

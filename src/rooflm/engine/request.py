@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"  # waiting again, its KV freed; its tokens are kept and recomputed on resume
+    PREEMPTED = "preempted"  # waiting again, its KV freed (or swapped out); its tokens are kept
     FINISHED = "finished"
 
 
@@ -55,6 +55,9 @@ class Request:
         self.spec_token_ids: list[int] = []  # draft tokens to verify in the next step (speculative decoding)
         self.prompt_high_water = 0  # prompt positions computed at least once (for the prompt-token counter)
         self.arrival_index = 0  # the order the scheduler received it in (scheduling policies break ties by it)
+        # KV compression (rooflm.kv_cache.compression): tokens whose KV was dropped from the middle of the context;
+        # the request's cache holds num_computed_tokens - num_dropped_tokens tokens.
+        self.num_dropped_tokens = 0
 
     @property
     def num_tokens(self) -> int:

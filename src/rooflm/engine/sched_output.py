@@ -58,6 +58,12 @@ class SchedulerOutput:
     # int32 on the host, row i for grammar_req_ids[i]), set by ``StructuredOutputManager.attach_bitmask``.
     grammar_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: "torch.Tensor | None" = None
+    # Swap preemption (rooflm.kv_cache.swap), run before the forward pass, swap-outs first:
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # KV compression (rooflm.kv_cache.compression): req_id -> (first table index, number of blocks) dropped this
+    # step, before its new blocks are appended.
+    kv_dropped: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -5,7 +5,8 @@ Every request has ``num_computed_tokens`` catching up to ``num_tokens``. Each ``
    an unfinished prompt: the next chunk), within ``max_num_batched_tokens``. When the KV pool cannot supply a
    block, the policy's victim (FCFS: the most recently admitted running request) is preempted: its blocks are freed
    and it goes back to the queue, to be recomputed later (its tokens so far are kept, so its output does not
-   change).
+   change), or, under swap preemption (``rooflm.kv_cache.swap``), its KV is copied to host memory and back.
+   A request under KV compression (``rooflm.kv_cache.compression``) first drops its oldest window blocks.
 2. if nothing was preempted, waiting requests are admitted in the policy's order (FCFS: first come first served)
    while the budget, the pool and ``max_num_seqs`` allow, their prompt's cached prefix (full blocks) skipped. A
    policy with classes (``priority``, ``mlfq``) may preempt running requests of a strictly lower class to admit a
@@ -32,6 +33,8 @@ from rooflm.engine.sched_output import (CachedRequestData, EngineCoreOutput, Mod
                                         SchedulerOutput)
 from rooflm.engine.stop_checker import FINISH_LENGTH, check_stop
 from rooflm.kv_cache import KVCacheManager
+from rooflm.kv_cache.compression import KVCompressionConfig, plan_drop
+from rooflm.kv_cache.swap import SwapManager
 
 FINISH_ABORT = "abort"
 
@@ -60,11 +63,19 @@ class Scheduler:
         # Slots a step that samples reserves past its tokens: a draft model writes the KV of its k drafts there right
         # after the step (vLLM's lookahead slots); the next step recomputes those positions.
         self.num_lookahead_tokens = 0
+        # Swap preemption (rooflm.kv_cache.swap): set by the engine unless preemption_mode is "recompute".
+        self.swap: SwapManager | None = None
+        # Engine-wide KV compression (a request's SamplingParams.kv_compression overrides it); None: off.
+        self.compression: KVCompressionConfig | None = None
+        self._dropped: dict[str, tuple[int, int]] = {}
 
     # -- requests -----------------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id={request.request_id!r} is already in use")
+        comp = self._compression(request)
+        if comp is not None:
+            comp.check(self.kv.block_size)
         request.arrival_index = self._num_added
         self._num_added += 1
         self.policy.add(request, self.waiting)
@@ -88,6 +99,8 @@ class Scheduler:
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
         self.kv.free(req.request_id)
+        if self.swap is not None:
+            self.swap.drop(req.request_id)
         self.policy.on_finish(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
@@ -139,8 +152,13 @@ class Scheduler:
                                                                  or req.params.structured_outputs is not None)):
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens,
-                                             self._slots(req, req.num_computed_tokens + num_new)):
+            if self._compression(req) is not None:
+                spec_used.pop(req.request_id, None)  # no draft tokens: a step's tokens are capped by the budget
+                num_new = self._compress(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            # cache indices run behind positions by the tokens compression dropped
+            cached = req.num_computed_tokens - req.num_dropped_tokens
+            while not self.kv.allocate_slots(req.request_id, cached, self._slots(req, req.num_computed_tokens + num_new)
+                                             - req.num_dropped_tokens):
                 victim = self.policy.victim(self.running)
                 budget += self._evict(victim, chosen, preempted, spec_used)
                 if victim is req:
@@ -184,12 +202,22 @@ class Scheduler:
                 budget += self._evict(victim, chosen, preempted, spec_used)
                 continue
             hits, num_cached = [], 0
-            lookup = self.kv.enable_prefix_caching and not req.wants_prompt_logprobs  # those need every position
-            if lookup:
+            swapped = self.swap is not None and self.swap.holds(req.request_id)
+            comp = self._compression(req)
+            # (prompt logprobs need every position, a compressed request full-attention KV: no lookup for those)
+            lookup = (not swapped and self.kv.enable_prefix_caching and not req.wants_prompt_logprobs
+                      and comp is None)
+            if swapped:  # its KV comes back from host memory
+                num_cached = req.num_computed_tokens
+            elif lookup:
                 hashes = req.update_block_hashes(self.kv.block_size)
                 hits, num_cached = self.kv.get_computed_blocks_by_hash(hashes, req.num_tokens, record=False)
             num_new = min(req.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(req.request_id, num_cached, self._slots(req, num_cached + num_new), hits):
+            if comp is not None:
+                num_new = min(num_new, comp.max_new_tokens(self.kv.block_size))
+            if not (self._swap_in(req, num_new) if swapped
+                    else self.kv.allocate_slots(req.request_id, num_cached, self._slots(req, num_cached + num_new),
+                                                hits)):
                 victim = self._victim_for(req)
                 if victim is None:
                     break  # nobody jumps the policy's queue
@@ -213,15 +241,52 @@ class Scheduler:
             budget -= num_new
 
     def _preempt(self, req: Request) -> None:
-        """Free ``req``'s blocks and put it back at the front of the queue; its tokens are kept for recompute."""
+        """Free ``req``'s blocks and put it back at the front of the queue; its tokens are kept. Its KV is either
+        swapped out to host memory (``self.swap`` decides) or recomputed on resume."""
         self.running.remove(req)
+        n_blocks = self.kv.blocks_needed(req.num_computed_tokens)
+        if (self.swap is not None and not req.num_dropped_tokens
+                and self.swap.should_swap(n_blocks, req.num_computed_tokens)):
+            self.swap.swap_out(req.request_id, self.kv.get_block_ids(req.request_id)[:n_blocks])
+        else:
+            req.num_computed_tokens = req.num_dropped_tokens = 0
+            if self.swap is not None:
+                self.swap.stats.recomputes += 1
         self.kv.free(req.request_id)
-        req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _compression(self, req: Request) -> KVCompressionConfig | None:
+        return req.params.kv_compression or self.compression
+
+    def _compress(self, req: Request, num_new: int) -> int:
+        """Cap a compressed request's new tokens and drop the oldest window blocks they would push past its budget
+        (StreamingLLM, rooflm.kv_cache.compression); returns the tokens to schedule."""
+        comp, bs = self._compression(req), self.kv.block_size
+        num_new = min(num_new, comp.max_new_tokens(bs))
+        n = plan_drop(comp, req.num_computed_tokens - req.num_dropped_tokens, num_new, bs)
+        if n:
+            start = comp.sink_blocks(bs)
+            self.kv.drop_blocks(req.request_id, start, n)
+            req.num_dropped_tokens += n * bs
+            self._sent_blocks[req.request_id] -= n  # dropped blocks were computed, so sent
+            self._dropped[req.request_id] = (start, n)
+        return num_new
+
+    def _swap_in(self, req: Request, num_new: int) -> bool:
+        """Fresh device blocks for a swapped-out request's KV (queued to be copied back) plus this step's tokens;
+        False (nothing changed) when the pool cannot supply them."""
+        end = self._slots(req, req.num_computed_tokens + num_new)  # with a draft's lookahead slots
+        if self.kv.blocks_needed(end) > self.kv.num_free_blocks:
+            return False
+        self.swap.swap_in(req.request_id, self.kv.allocate_restored(req.request_id,
+                                                                    self.swap.num_blocks_of(req.request_id)))
+        if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, end):
+            raise RuntimeError(f"request {req.request_id!r}: the pool changed while it was swapped in")
+        return True
 
     def _build_output(self, chosen: dict[str, int], preempted: set[str], spec_used: dict[str, int]) -> SchedulerOutput:
         new_reqs: list[NewRequestData] = []
@@ -243,11 +308,11 @@ class Scheduler:
                 cached.append(CachedRequestData(rid, new_ids))
                 self._sent_blocks[rid] = sent + len(new_ids)
             req.num_computed_tokens = end = start + num_new
-            computed_after[rid] = end
+            computed_after[rid] = end - req.num_dropped_tokens  # the context its attention reads
             if end > req.prompt_high_water and req.prompt_high_water < req.num_prompt_tokens:
                 self.num_prompt_tokens_computed += min(end, req.num_prompt_tokens) - max(start, req.prompt_high_water)
                 req.prompt_high_water = min(end, req.num_prompt_tokens)
-            if self.kv.enable_prefix_caching:
+            if self.kv.enable_prefix_caching and self._compression(req) is None:
                 # Register the blocks this step fills as soon as it is scheduled (vLLM v1 does the same): any later
                 # step that reads them through a prefix hit runs after this one on the device. Only blocks of known
                 # tokens can be hashed; one ending in a token still in flight is registered at a later step.
@@ -265,8 +330,13 @@ class Scheduler:
         finished: set[str] = set()
         if chosen:  # an empty step is not executed: keep the finished ids for the next one the runner sees
             finished, self._finished_for_runner = self._finished_for_runner, set()
+        # Swap copies wait for a step the runner executes: a step in which the only running request preempted itself
+        # is empty, and the copy of its blocks out must still happen before any later step reuses them.
+        swap_out, swap_in = self.swap.take() if self.swap is not None and chosen else ([], [])
+        dropped, self._dropped = self._dropped, {}
         return SchedulerOutput(new_reqs, cached, chosen, sampling, spec_tokens, finished, preempted,
-                               self.kv.take_pending_copies(), computed_after)
+                               self.kv.take_pending_copies(), computed_after, swap_out, swap_in,
+                               {r: d for r, d in dropped.items() if r in chosen})
 
     # -- after the forward pass ----------------------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:

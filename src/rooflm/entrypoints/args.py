@@ -41,6 +41,12 @@ _HELP = {
     "fair_output_weight": "fair: cost of one generated token in the virtual token counter",
     "tensor_parallel_size": "split the model over this many processes: GPUs 0..N-1 (NCCL) or CPU processes (gloo)",
     "pipeline_parallel_size": "split the decoder layers into this many stages, one process (GPU) each",
+    "preemption_mode": "recompute | swap | auto: what happens to a preempted request's KV (auto: swap when the "
+                       "roofline's time to recompute its context exceeds the host transfer time)",
+    "swap_space": "GiB of host memory for swapped-out KV blocks (preemption_mode swap or auto)",
+    "kv_compression": "lossy KV compression as JSON, e.g. '{\"method\": \"streaming\", \"budget\": 1024, "
+                      "\"sink\": 4}' (StreamingLLM: sink tokens and the most recent window, whole blocks)",
+    "ttft_slo_ms": "refuse at once (503) a request whose predicted time to first token exceeds this many ms",
     # rooflm.quantization.config.QUANTIZATION_METHODS, written out so that --help does not import torch
     "quantization": "none | w8a16 | w4a16 | gptq | awq | gguf | fp8: how the projection weights are stored and "
                     "multiplied (default: what the checkpoint holds: float, GPTQ/AWQ, a GGUF file kept quantized)",

@@ -228,6 +228,32 @@ class KVCacheManager:
             table.extend(pool.get_new_blocks(num_new))
         return True
 
+    def allocate_restored(self, seq_id: str, num_blocks: int) -> list[int]:
+        """A new table of ``num_blocks`` fresh blocks for a sequence whose KV comes back from elsewhere (swap-in from
+        host memory); returns their ids. The caller checks ``num_free_blocks`` first."""
+        if seq_id in self.block_tables:
+            raise ValueError(f"allocate_restored({seq_id!r}): the sequence already has a block table")
+        if num_blocks > self.block_pool.num_free_blocks:
+            raise ValueError(f"allocate_restored({seq_id!r}): {num_blocks} blocks asked, "
+                             f"{self.block_pool.num_free_blocks} free")
+        table = self.block_tables[seq_id] = self.block_pool.get_new_blocks(num_blocks) if num_blocks else []
+        self._num_cached_blocks[seq_id] = 0
+        self._last_block_hash[seq_id] = None
+        return [b.block_id for b in table]
+
+    def drop_blocks(self, seq_id: str, start: int, num_blocks: int) -> list[int]:
+        """Free ``num_blocks`` blocks of the sequence's table from index ``start`` on and close the gap (KV
+        compression drops whole blocks from the middle of a context); returns their ids."""
+        table = self._table(seq_id)
+        if not (0 <= start and 0 <= num_blocks and start + num_blocks <= len(table)):
+            raise ValueError(f"drop_blocks({seq_id!r}): blocks [{start}, {start + num_blocks}) are not in its "
+                             f"table of {len(table)}")
+        dropped = table[start:start + num_blocks]
+        del table[start:start + num_blocks]
+        self._num_cached_blocks[seq_id] = min(self._num_cached_blocks[seq_id], start)
+        self.block_pool.free_blocks(dropped)
+        return [b.block_id for b in dropped]
+
     # ---- prefix registration ----------------------------------------------------------------------------------
 
     def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int,

@@ -37,6 +37,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from rooflm.engine.admission import SLORejectedError
 from rooflm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
 from rooflm.outputs import RequestOutput
 from rooflm.server.errors import OpenAIError, bad_request, error_body, from_value_error
@@ -142,6 +143,8 @@ class OpenAIServing(_RequestPreparation, _ResponseRendering):
             self._abort_all(streams)
             if isinstance(e, QueueFullError):
                 raise OpenAIError(503, str(e), code="queue_full", headers={"Retry-After": "1"}) from None
+            if isinstance(e, SLORejectedError):  # it would miss --ttft-slo-ms: answered now, not after a wait
+                raise OpenAIError(503, str(e), code="ttft_slo_unattainable", headers={"Retry-After": "1"}) from None
             if isinstance(e, EngineDeadError):
                 raise OpenAIError(503, f"the engine is not running: {e}", code="engine_unavailable") from None
             if isinstance(e, ValueError):

@@ -34,6 +34,7 @@ class CachedRequestState:
     row: int
     penalties: bool
     pending_spec: list[int] = field(default_factory=list)  # draft tokens verified by the step in flight
+    num_dropped: int = 0  # KV compression: positions dropped from the cache (position p is at cache index p - this)
 
     @property
     def num_output_tokens(self) -> int:
@@ -91,6 +92,13 @@ class InputBatch:
                              f"max_blocks_per_seq={self.block_table.shape[1]}")
         self.block_table[s.row, n:n + len(block_ids)] = block_ids
         s.block_ids.extend(block_ids)
+
+    def drop_blocks(self, req_id: str, start: int, num_blocks: int, block_size: int) -> None:
+        """KV compression: remove ``num_blocks`` table entries from index ``start`` on and close the gap."""
+        s = self.reqs[req_id]
+        del s.block_ids[start:start + num_blocks]
+        self.block_table[s.row, :len(s.block_ids)] = s.block_ids
+        s.num_dropped += num_blocks * block_size
 
     def remove(self, req_id: str) -> None:
         s = self.reqs.pop(req_id, None)

@@ -125,6 +125,7 @@ class ModelRunner:
         self.num_block_copies = 0
         self.graph_runner = None  # decode CUDA graphs (worker/cuda_graphs.py), set by capture_graphs()
         self.drafter = None  # a model-based speculative proposer (spec_decode/drafter.py), set by the engine
+        self.swap_space = None  # HostSwapSpace (worker/swap_space.py) under swap preemption
 
     def capture_graphs(self, max_num_seqs: int) -> None:
         """Capture decode CUDA graphs (the runner's one graph-or-eager choice is made per step in ``execute``)."""
@@ -143,6 +144,8 @@ class ModelRunner:
         for new in out.new_reqs:
             self.batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.params, new.generator,
                            new.block_ids, new.num_computed_tokens)
+        for rid, (start, n) in out.kv_dropped.items():  # before the new blocks are appended
+            self.batch.drop_blocks(rid, start, n, self.block_size)
         for c in out.cached_reqs:
             self.batch.append_blocks(c.req_id, c.new_block_ids)
 
@@ -155,7 +158,8 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         starts = [0]
-        seq_lens: list[int] = []
+        seq_lens: list[int] = []  # context lengths in the cache (KV compression: dropped positions excluded)
+        dropped: list[int] = []
         rows: list[int] = []
         dev_idx: list[int] = []  # flat positions whose token is the row's last sampled one (still on the device)
         dev_rows: list[int] = []
@@ -178,7 +182,8 @@ class ModelRunner:
                 input_ids += s.token_ids[start:end]
                 positions += range(start, end)
             starts.append(len(input_ids))
-            seq_lens.append(end)
+            seq_lens.append(end - s.num_dropped)
+            dropped.append(s.num_dropped)
             rows.append(s.row)
             if rid in sampling:
                 if end != s.num_tokens + len(spec):
@@ -192,8 +197,8 @@ class ModelRunner:
         table = self.batch.block_table[rows]  # [n_seq, max_blocks]
         width = max(1, -(-max(seq_lens) // bs))
         table = table[:, :width]
-        pos = np.asarray(positions, dtype=np.int64)
         seq_of_tok = np.repeat(np.arange(n_seq), np.diff(np.asarray(starts)))
+        pos = np.asarray(positions, dtype=np.int64) - np.asarray(dropped, dtype=np.int64)[seq_of_tok]  # cache index
         slots = table[seq_of_tok, pos // bs] * bs + pos % bs
         # One host buffer, one host-to-device copy (pinned on CUDA, so it does not stall the host):
         # [input_ids | positions | slot_mapping | query_start_loc | seq_lens | dev_idx | dev_rows | rows | table]
@@ -233,6 +238,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepHandle:
         self._update_states(out)
+        if self.swap_space is not None:
+            self.swap_space.run(self.kv_caches, out.blocks_to_swap_out, out.blocks_to_swap_in)
         self._copy_blocks(out.blocks_to_copy)
         states, ids, pos, meta, sample_idx, spec_idx, rows_t = self._prepare(out)
         graph_logits = None

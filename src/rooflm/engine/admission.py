@@ -1,0 +1,113 @@
+"""SLO-aware admission: refuse at once a request whose time to first token cannot meet ``ttft_slo_ms``.
+
+A request that will miss its deadline anyway is better answered now (the server's 503, which a client or a load
+balancer can retry elsewhere) than after it has waited, taken prefill compute from the others and timed out. The
+prediction replays the scheduler's rule on the current queue, step by step, without running anything:
+
+- every running request keeps its seat: an unfinished prompt takes its next chunk of the step's budget
+  (``max_num_batched_tokens``), a decode one token, until its ``max_tokens`` are sampled (EOS cannot be foreseen, so
+  this is an upper bound on the decodes);
+- waiting requests are admitted in queue order while seats (``max_num_seqs``) and budget remain, and then the new
+  request, last;
+- each simulated step costs what the step-time predictor says of its composition (tokens and context per request,
+  rows through the LM head). The engine's predictor is the live roofline's best possible time
+  (``rooflm.roofline.live``) divided by the fraction of it the engine has achieved so far (1 before the first step).
+
+The predicted TTFT is the sum of the step times up to and including the step that completes the new request's
+prompt. Prefix-cache hits are not foreseen (the estimate is high for a request whose prompt is cached) and the KV pool
+is assumed large enough (a preemption would only add time).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rooflm.engine.request import Request
+    from rooflm.engine.scheduler import Scheduler
+
+__all__ = ["SLORejectedError", "TTFTPredictor", "FINISH_REJECTED"]
+
+FINISH_REJECTED = "rejected"  # the finish reason of a request refused by admission (offline API)
+StepTime = Callable[[list[int], list[int], int], float]  # (query_lens, context_lens, num_logit_rows) -> seconds
+
+
+class SLORejectedError(RuntimeError):
+    """The request's predicted time to first token exceeds ``ttft_slo_ms``: it was not queued."""
+
+    def __init__(self, request_id: str, predicted_s: float, slo_s: float) -> None:
+        super().__init__(f"request {request_id!r} cannot meet ttft_slo_ms={slo_s * 1e3:g}: its predicted time to "
+                         f"first token is at least {predicted_s * 1e3:.0f} ms with the current queue")
+        self.request_id = request_id
+        self.predicted_s = predicted_s
+        self.slo_s = slo_s
+
+
+@dataclass
+class _Sim:
+    todo: int  # tokens to compute before its next sample (a prompt's rest, or the one token a decode feeds back)
+    samples_left: int  # tokens it may still sample
+    context: int = 0  # tokens with KV
+    is_new: bool = False
+
+
+class TTFTPredictor:
+    """``predict(prompt_len, running, waiting)``: seconds until a new request of ``prompt_len`` tokens, queued last,
+    has its first token. ``step_time`` gives one step's duration from its composition."""
+
+    def __init__(self, step_time: StepTime, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_steps: int = 100_000) -> None:
+        self.step_time = step_time
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_steps = max_steps
+
+    @staticmethod
+    def _sim(req: "Request") -> _Sim:
+        max_tokens = req.params.max_tokens
+        samples = 10**9 if max_tokens is None else max_tokens - req.num_output_tokens
+        # a token sampled but not read back yet (asynchronous scheduling) is computed by the next step
+        return _Sim(max(1, req.num_tokens - req.num_computed_tokens), samples, req.num_computed_tokens)
+
+    def predict(self, prompt_len: int, running: Iterable["Request"], waiting: Iterable["Request"],
+                deadline_s: float = float("inf")) -> float:
+        """Stops early (returning a value above ``deadline_s``) once the running sum passes the deadline."""
+        seats = [s for s in map(self._sim, running) if s.samples_left > 0]
+        queue = [self._sim(r) for r in waiting] + [_Sim(prompt_len, 1, is_new=True)]
+        total = 0.0
+        for _ in range(self.max_steps):
+            budget = self.max_num_batched_tokens
+            q_lens: list[int] = []
+            c_lens: list[int] = []
+            rows = 0
+            done = False
+            while queue and len(seats) < self.max_num_seqs:
+                seats.append(queue.pop(0))
+            for s in seats:
+                if budget <= 0:
+                    break
+                n = min(s.todo, budget)
+                budget -= n
+                s.todo -= n
+                s.context += n
+                q_lens.append(n)
+                c_lens.append(s.context)
+                if s.todo == 0:  # this step samples for it
+                    rows += 1
+                    s.samples_left -= 1
+                    s.todo = 1
+                    done = done or s.is_new
+            total += self.step_time(q_lens, c_lens, rows)
+            if done or total > deadline_s:
+                return total
+            seats = [s for s in seats if s.samples_left > 0]
+        return float("inf")
+
+    def check(self, request_id: str, prompt_len: int, scheduler: "Scheduler", slo_s: float) -> float:
+        """The predicted TTFT; raises ``SLORejectedError`` when it exceeds ``slo_s`` (with the time of the simulated
+        steps up to the first one past the SLO: a lower bound of the prediction)."""
+        predicted = self.predict(prompt_len, scheduler.running, scheduler.waiting, deadline_s=slo_s)
+        if predicted > slo_s:
+            raise SLORejectedError(request_id, predicted, slo_s)
+        return predicted
