@@ -196,6 +196,13 @@ class LLMEngine:
         self._last_done = 0.0  # when the host last saw a step complete
         self.stats = EngineStats(num_total_blocks=num_blocks)
         self.structured = None  # StructuredOutputManager, made when the first request with a grammar comes
+        self.admission = None  # TTFTPredictor under ttft_slo_ms (rooflm.engine.admission)
+        if config.ttft_slo_ms is not None:
+            from rooflm.engine.admission import TTFTPredictor
+
+            roofline = self.roofline
+            self.admission = TTFTPredictor(lambda q, c, r: roofline.predict(q, c, r) / (roofline.fraction() or 1.0),
+                                           config.max_num_batched_tokens, config.max_num_seqs)
 
     def _structured_manager(self):
         if self.structured is None:
@@ -204,13 +211,6 @@ class LLMEngine:
             self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                       self.eos_token_ids, pin_memory=self.device.type == "cuda")
         return self.structured
-        self.admission = None  # TTFTPredictor under ttft_slo_ms (rooflm.engine.admission)
-        if config.ttft_slo_ms is not None:
-            from rooflm.engine.admission import TTFTPredictor
-
-            roofline = self.roofline
-            self.admission = TTFTPredictor(lambda q, c, r: roofline.predict(q, c, r) / (roofline.fraction() or 1.0),
-                                           config.max_num_batched_tokens, config.max_num_seqs)
 
     # -- set-up ---------------------------------------------------------------------------------------------------------
     def _load_draft(self, cfg: ModelConfig) -> tuple[Any, int]:
