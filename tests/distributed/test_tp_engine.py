@@ -5,7 +5,6 @@ has every bias; the default model (SmolLM2-135M, float32) has 9 query heads over
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tp_helpers import run
 from rooflm.sampling_params import SamplingParams

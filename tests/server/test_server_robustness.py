@@ -16,7 +16,7 @@ import threading
 import httpx
 import pytest
 from fake_llm_engine import FakeTokenizer
-from server_helpers import API_KEY, FakeServer, ServerProcess
+from server_helpers import API_KEY, FakeServer
 from test_server_api_fake import assert_error
 
 from rooflm.server.protection import RateLimitFilter, header_timeout_protocol

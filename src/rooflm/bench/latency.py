@@ -111,7 +111,6 @@ def measure_ceilings(device, dtype) -> dict:
 
 def kv_cache_bytes(args: argparse.Namespace, dtype, tokens: int, block_size: int = 16) -> int:
     """The KV pool for a benchmark: ``--kv-cache-memory-gib`` if given, else what ``tokens`` need (+64 blocks, +10%)."""
-    import torch
 
     from rooflm.config import load_model_config
 
