@@ -335,8 +335,9 @@ class Scheduler:
         swap_out, swap_in = self.swap.take() if self.swap is not None and chosen else ([], [])
         dropped, self._dropped = self._dropped, {}
         return SchedulerOutput(new_reqs, cached, chosen, sampling, spec_tokens, finished, preempted,
-                               self.kv.take_pending_copies(), computed_after, swap_out, swap_in,
-                               {r: d for r, d in dropped.items() if r in chosen})
+                               self.kv.take_pending_copies(), computed_after, blocks_to_swap_out=swap_out,
+                               blocks_to_swap_in=swap_in,
+                               kv_dropped={r: d for r, d in dropped.items() if r in chosen})
 
     # -- after the forward pass ----------------------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
