@@ -1,8 +1,9 @@
 """Tensor and pipeline parallelism over two GPUs (NCCL): the same greedy tokens as one GPU. Skips without two CUDA
 devices.
 
-float32 random weights of the default model's architecture (a GPU machine need not have the model package), on the
-default GPU path (Triton kernels, asynchronous scheduling), so a token can differ only where two logits nearly tie;
+float32 random weights of the default model's architecture, written once as a safetensors checkpoint that every
+rank slices (random weights drawn per rank would differ between TP=1 and TP=2; a GPU machine need not have the
+model package), on the default GPU path (Triton kernels, asynchronous scheduling), so a token can differ only where two logits nearly tie;
 the logprobs are compared within 1e-3. Tensor parallelism also with its decode CUDA graphs (the collectives
 captured)."""
 from __future__ import annotations
@@ -17,12 +18,30 @@ _g = torch.Generator().manual_seed(0)
 PROMPTS = [torch.randint(0, 49152, (n,), generator=_g).tolist() for n in (5, 9, 17, 33, 64, 3)]
 
 
-def _generate(tp: int, pp: int = 1) -> list[tuple[list[int], list[dict[int, float]]]]:
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    """The default model's architecture with random weights (seeded), as a Hugging Face safetensors folder."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from rooflm.config import load_model_config
+    from rooflm.loader import load_model
+
+    folder = tmp_path_factory.mktemp("smollm2-random")
+    (folder / "config.json").write_text(json.dumps(load_model_config("smollm2-135m").hf_config))
+    model, _ = load_model("smollm2-135m", load_format="dummy", seed=3, show_progress=False)
+    save_file({name: t.view().clone().contiguous() for name, t in model.weight_targets().items()},
+              str(folder / "model.safetensors"))
+    return str(folder)
+
+
+def _generate(checkpoint: str, tp: int, pp: int = 1) -> list[tuple[list[int], list[dict[int, float]]]]:
     from rooflm import LLM
     from rooflm.sampling_params import SamplingParams
 
-    llm = LLM("smollm2-135m", load_format="dummy", dtype="float32", tensor_parallel_size=tp,
-              pipeline_parallel_size=pp, show_progress=False, kv_cache_memory=256 * 2**20, max_model_len=512)
+    llm = LLM(checkpoint, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp, show_progress=False,
+              kv_cache_memory=256 * 2**20, max_model_len=512)
     try:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, logprobs=1), use_tqdm=False)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
@@ -31,15 +50,15 @@ def _generate(tp: int, pp: int = 1) -> list[tuple[list[int], list[dict[int, floa
 
 
 @pytest.fixture(scope="module")
-def one_gpu():
-    return _generate(1)
+def one_gpu(checkpoint):
+    return _generate(checkpoint, 1)
 
 
 @pytest.mark.parametrize("tp,pp,graphs", [(2, 1, False), (2, 1, True), (1, 2, False)])
-def test_two_gpus_give_the_greedy_tokens_of_one(one_gpu, tp, pp, graphs, monkeypatch):
+def test_two_gpus_give_the_greedy_tokens_of_one(checkpoint, one_gpu, tp, pp, graphs, monkeypatch):
     if graphs:
         monkeypatch.setenv("ROOFLM_TP_CUDA_GRAPHS", "1")  # read by rank 0 and by the workers it spawns
-    got = _generate(tp, pp)
+    got = _generate(checkpoint, tp, pp)
     for (ref_ids, ref_lp), (ids, lp) in zip(one_gpu, got):
         assert ids == ref_ids
         for a, b in zip(ref_lp, lp):
