@@ -190,8 +190,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "no-retry-after", _SERVING,
-        'headers={"Retry-After": "1"}',
-        "headers={}",
+        'code="queue_full", headers={"Retry-After": "1"}',
+        'code="queue_full", headers={}',
         (f"{_T_FAKE}::test_full_waiting_queue_is_503_at_once",),
         "a 503 for a full queue carries no Retry-After header",
     ),

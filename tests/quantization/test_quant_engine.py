@@ -42,7 +42,7 @@ def test_cli_flag_and_help_list_every_method():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     action = next(a for a in parser._actions if a.dest == "quantization")
-    assert all(m in action.help for m in QUANTIZATION_METHODS) and "default: None" in action.help
+    assert all(m in action.help for m in QUANTIZATION_METHODS) and "default: what the checkpoint holds" in action.help
     args = parser.parse_args(["--quantization", "w4a16", "--threads", "1"])
     assert engine_config_from_args(args).quantization == "w4a16"
 

@@ -115,8 +115,11 @@ def test_replicas_share_the_load_of_concurrent_clients(dp_server):
 def test_an_abort_reaches_the_replica_running_the_request(dp_server):
     busy, idle = dp_server.fakes
     busy.hold()
+    # An abort from the server side leaves the client's response open (aborts normally come from a client that
+    # went away), so this client gives up after a few seconds; how it ends is not what is tested here.
+    client = dp_server.client.with_options(timeout=3)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(dp_server.client.completions.create, model="fake-model", prompt="held on replica zero",
+        fut = pool.submit(client.completions.create, model="fake-model", prompt="held on replica zero",
                           max_tokens=50)
         assert busy.wait_until(lambda: len(busy.added) == 1)
         request_id = busy.added[0]
@@ -125,8 +128,8 @@ def test_an_abort_reaches_the_replica_running_the_request(dp_server):
         busy.release()
         try:
             fut.result()
-        except openai.APIError:
-            pass  # how an aborted request ends for its client is the server's business, not the router's
+        except (openai.APIError, openai.APITimeoutError):
+            pass
     assert idle.added == [] and idle.aborted == []
 
 
