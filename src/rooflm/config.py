@@ -19,6 +19,25 @@ def _bad(cls: str, name: str, value: object, accepted: str) -> ValueError:
     return ValueError(f"{cls}.{name}={value!r} is invalid: expected {accepted}")
 
 
+def parse_json_config(cls: type, value: Any, name: str) -> Any:
+    """An instance of the dataclass ``cls`` from itself, a dict of its fields or that dict's JSON text (a CLI flag);
+    None stays None. ValueError naming ``name`` for invalid JSON, a non-object or an unknown field."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}={value!r} is not valid JSON: {e.msg}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}={value!r} is invalid: expected a JSON object")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{name} has unknown field(s) {unknown}: accepted are {sorted(known)}")
+    return cls(**value)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Model architecture
 # ---------------------------------------------------------------------------------------------------------------------

@@ -24,8 +24,7 @@ position ``p`` to cache index ``p - num_dropped_tokens``.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["KVCompressionConfig", "plan_drop", "COMPRESSION_METHODS"]
@@ -52,20 +51,9 @@ class KVCompressionConfig:
     @classmethod
     def parse(cls, value: "KVCompressionConfig | dict[str, Any] | str | None") -> "KVCompressionConfig | None":
         """From a dict, a JSON string (the CLI's ``--kv-compression``) or None (no compression)."""
-        if value is None or isinstance(value, KVCompressionConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_compression={value!r} is not valid JSON: {e.msg}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_compression={value!r} is invalid: expected a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_compression has unknown field(s) {unknown}: accepted are {sorted(known)}")
-        return cls(**value)
+        from rooflm.config import parse_json_config
+
+        return parse_json_config(cls, value, "kv_compression")
 
     def sink_blocks(self, block_size: int) -> int:
         return -(-self.sink // block_size)

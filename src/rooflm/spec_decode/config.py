@@ -1,8 +1,7 @@
 """``speculative_config``: which proposer, how many tokens it proposes per step, and its options."""
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("ngram", "draft_model", "self")
@@ -57,17 +56,6 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":
         """From a dict, a JSON string (the CLI's ``--speculative-config``) or None (no speculation)."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config={value!r} is not valid JSON: {e.msg}") from None
-        known = {f.name for f in fields(cls)}
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config={value!r} is invalid: expected a JSON object")
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown field(s) {unknown}: accepted are {sorted(known)}")
-        return cls(**value)
+        from rooflm.config import parse_json_config
+
+        return parse_json_config(cls, value, "speculative_config")
