@@ -3,10 +3,10 @@ distribution of rejection sampling), the cost rule that switches speculation off
 rollback of rejected draft positions."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
+from unit.stat_checks import chi2_ok
 
 from rooflm.config import SchedulerConfig
 from rooflm.engine.request import Request
@@ -75,15 +75,6 @@ def test_greedy_verification_keeps_the_matching_prefix_and_the_targets_token():
     assert tokens.tolist() == [[3, 4, 9, -1], [7, 1, -1, -1]]
 
 
-def _chi2_ok(counts: torch.Tensor, probs: torch.Tensor) -> bool:
-    n = counts.sum().item()
-    exp = probs * n
-    keep = exp > 5
-    chi2 = (((counts - exp) ** 2) / exp)[keep].sum().item()
-    dof = int(keep.sum()) - 1
-    return chi2 < dof + 6 * math.sqrt(2 * dof)  # ~4 sigma: fails only on a real mismatch
-
-
 @pytest.mark.parametrize("draft_prob", [0.05, 0.4, 0.9])
 def test_rejection_sampling_follows_the_target_distribution(draft_prob):
     """Chain of 2 drafts at temperature 1: the first output token is distributed as p at position 0, and given that
@@ -99,11 +90,11 @@ def test_rejection_sampling_follows_the_target_distribution(draft_prob):
     params = [SamplingParams(temperature=1.0, seed=None)] * (3 * n)
     tokens, accepted = verify(logits, [[0, 1]] * n, _md(params), [False] * n, [None] * n)
     first = torch.bincount(tokens[:, 0], minlength=v).float()
-    assert _chi2_ok(first, p0)
+    assert chi2_ok(first, p0)
     both = accepted == 2
     assert both.sum() > 1000
     bonus = torch.bincount(tokens[both, 2], minlength=v).float()
-    assert _chi2_ok(bonus, p2)
+    assert chi2_ok(bonus, p2)
     # The acceptance of draft 0 happens with probability p0[0].
     assert abs((accepted >= 1).float().mean().item() - p0[0].item()) < 0.02
 

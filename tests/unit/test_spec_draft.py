@@ -3,10 +3,10 @@
 scheduler's lookahead slots for the draft's KV, and the drafter's per-request budget."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
+from unit.stat_checks import chi2_ok
 
 from rooflm.config import SchedulerConfig
 from rooflm.engine.request import Request
@@ -22,15 +22,6 @@ from rooflm.spec_decode.rejection import verify
 def _md(params: list[SamplingParams]) -> SamplingMetadata:
     n = len(params)
     return SamplingMetadata.from_params(params, [[]] * n, [[]] * n, [None] * n, "cpu")
-
-
-def _chi2_ok(counts: torch.Tensor, probs: torch.Tensor) -> bool:
-    n = counts.sum().item()
-    exp = probs * n
-    keep = exp > 5
-    chi2 = (((counts - exp) ** 2) / exp)[keep].sum().item()
-    dof = int(keep.sum()) - 1
-    return chi2 < dof + 6 * math.sqrt(2 * dof)  # ~4 sigma: fails only on a real mismatch
 
 
 def _norm(t: list[float]) -> torch.Tensor:
@@ -61,12 +52,12 @@ def test_rejection_sampling_with_draft_probabilities_follows_the_target(q_name):
     q = torch.stack([q0, q1])
     params = [SamplingParams(temperature=1.0)] * (3 * n)
     tokens, accepted = verify(logits, drafts, _md(params), [False] * n, [None] * n, [q] * n)
-    assert _chi2_ok(torch.bincount(tokens[:, 0], minlength=v).float(), P[0])
+    assert chi2_ok(torch.bincount(tokens[:, 0], minlength=v).float(), P[0])
     first_ok = accepted >= 1
-    assert _chi2_ok(torch.bincount(tokens[first_ok, 1], minlength=v).float(), P[1])
+    assert chi2_ok(torch.bincount(tokens[first_ok, 1], minlength=v).float(), P[1])
     both = accepted == 2
     if both.sum() > 500:
-        assert _chi2_ok(torch.bincount(tokens[both, 2], minlength=v).float(), P[2])
+        assert chi2_ok(torch.bincount(tokens[both, 2], minlength=v).float(), P[2])
     expected = torch.minimum(P[0], q0).sum().item()
     assert abs(first_ok.float().mean().item() - expected) < 0.02
 
@@ -168,7 +159,7 @@ def test_the_drafter_samples_from_q_and_keeps_q():
     tokens = d._choose(logits, reqs, [False] * n + [True], probs)
     q = target_probs(row_logits.unsqueeze(0), _md([hot]))[0]
     assert q[2] == 0  # top-k 5 removed the least likely token
-    assert _chi2_ok(torch.bincount(tokens[:n], minlength=v).float(), q)
+    assert chi2_ok(torch.bincount(tokens[:n], minlength=v).float(), q)
     assert (tokens[:n] != 2).all()
     assert torch.allclose(probs[0][0], q) and probs[-1] == []
     assert tokens[-1].item() == 1
