@@ -76,3 +76,19 @@ def test_latency_profile_lines():
                         "15 gaps (2.50 ms per step under the profiler)")
     assert lines[1] == "    trace: t.batch1.json"
     assert "batch 8" in lines[2] and "no consecutive steps" in lines[2]
+
+
+def test_latency_report_states_the_split_bound_under_tensor_parallelism():
+    from rooflm.bench.reports import latency_lines
+
+    res = {"model": "m", "dtype": "float16", "batch_size": 1, "input_len": 8, "output_len": 4, "ceilings": CEILINGS,
+           "attention_backend": ["triton"], "cuda_graphs": True, "engine_init_s": 1.0, "graph_capture_s": 0.5,
+           "warmup_s": 1.0, "ttft_s": 0.1, "tpot_s": 0.008, "decode_tok_s": 125.0, "e2e_tok_s": 50.0,
+           "roofline": {"tpot_s": 0.010, "ttft_s": 0.05}, "fraction_of_roofline_tpot": 1.25,
+           "fraction_of_roofline_ttft": 0.5, "achieved_gbps": 10.0, "fraction_of_copy_bandwidth": 0.1,
+           "prefill_tflops": 0.5, "prefill_fraction_of_matmul_peak": 0.5}
+    assert not any("devices" in line for line in latency_lines(res))
+    res["split_roofline"] = {"devices": 2, "tpot_s": 0.005}
+    res["fraction_of_split_roofline_tpot"] = 0.005 / 0.008
+    line = [x for x in latency_lines(res) if "over 2 devices" in x]
+    assert line and "62.5% reached" in line[0] and "5.00 ms" in line[0]

@@ -4,9 +4,11 @@ devices.
 float32 random weights of the default model's architecture, written once as a safetensors checkpoint that every
 rank slices (random weights drawn per rank would differ between TP=1 and TP=2; a GPU machine need not have the
 model package), on the default GPU path (Triton kernels, asynchronous scheduling), so a token can differ only where two logits nearly tie;
-the logprobs are compared within 1e-3. Tensor parallelism also with its decode CUDA graphs (the collectives
-captured)."""
+the logprobs are compared within 1e-3. Tensor parallelism with NCCL and with one-shot all-reduces, and with its
+decode CUDA graphs (one-shot all-reduces captured)."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -36,6 +38,9 @@ def checkpoint(tmp_path_factory) -> str:
     return str(folder)
 
 
+_PATHS: dict = {}  # (tp, ROOFLM_TP_ALLREDUCE, ROOFLM_TP_CUDA_GRAPHS) -> (one-shot used, graphs replayed)
+
+
 def _generate(checkpoint: str, tp: int, pp: int = 1) -> list[tuple[list[int], list[dict[int, float]]]]:
     from rooflm import LLM
     from rooflm.sampling_params import SamplingParams
@@ -44,6 +49,13 @@ def _generate(checkpoint: str, tp: int, pp: int = 1) -> list[tuple[list[int], li
               kv_cache_memory=256 * 2**20, max_model_len=512)
     try:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, logprobs=1), use_tqdm=False)
+        if tp > 1:  # rank 0 runs in this process: check which paths its steps took
+            from rooflm.distributed.parallel_state import get_state
+
+            one_shot = get_state().one_shot
+            graphs = llm.engine.runner.graph_runner
+            _PATHS[tp, os.environ.get("ROOFLM_TP_ALLREDUCE"), os.environ.get("ROOFLM_TP_CUDA_GRAPHS")] = (
+                one_shot is not None and one_shot.calls > 0, graphs is not None and graphs.replays > 0)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
     finally:
         llm.shutdown()
@@ -54,11 +66,15 @@ def one_gpu(checkpoint):
     return _generate(checkpoint, 1)
 
 
-@pytest.mark.parametrize("tp,pp,graphs", [(2, 1, False), (2, 1, True), (1, 2, False)])
-def test_two_gpus_give_the_greedy_tokens_of_one(checkpoint, one_gpu, tp, pp, graphs, monkeypatch):
-    if graphs:
-        monkeypatch.setenv("ROOFLM_TP_CUDA_GRAPHS", "1")  # read by rank 0 and by the workers it spawns
+@pytest.mark.parametrize("tp,pp,allreduce,graphs", [(2, 1, "nccl", "0"), (2, 1, "auto", "0"), (2, 1, "auto", "auto"),
+                                                     (1, 2, "auto", "0")])
+def test_two_gpus_give_the_greedy_tokens_of_one(checkpoint, one_gpu, tp, pp, allreduce, graphs, monkeypatch):
+    # read by rank 0 and by the workers it spawns: NCCL or one-shot all-reduces; decode CUDA graphs off or automatic
+    monkeypatch.setenv("ROOFLM_TP_ALLREDUCE", allreduce)
+    monkeypatch.setenv("ROOFLM_TP_CUDA_GRAPHS", graphs)
     got = _generate(checkpoint, tp, pp)
+    if tp > 1:
+        assert _PATHS[tp, allreduce, graphs] == (allreduce == "auto", graphs == "auto")
     for (ref_ids, ref_lp), (ids, lp) in zip(one_gpu, got):
         assert ids == ref_ids
         for a, b in zip(ref_lp, lp):

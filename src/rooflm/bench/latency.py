@@ -291,7 +291,8 @@ def run(args: argparse.Namespace) -> int:
         "command": "rooflm bench latency " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "latency"] else "",
         "model": args.model, "dtype": str(dtype).removeprefix("torch."), "batch_size": B, "input_len": L_in,
         "output_len": L_out, "attention_backend": backend, "cuda_graphs": gr is not None,
-        # the roofline figures below are for one device holding the whole model, also under these splits
+        # the roofline figures below are for one device holding the whole model, also under these splits;
+        # "split_roofline" (tensor parallelism): that bound divided over the devices
         "tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,
         "graph_sizes": gr.sizes if gr is not None else [], "ceilings": ceilings,
         "engine_init_s": init_s, "graph_capture_s": capture_s, "warmup_s": warmup_s,
@@ -315,6 +316,10 @@ def run(args: argparse.Namespace) -> int:
         res["prefill_tflops"] = bounds["prefill_ops"] / med["ttft_s"] / 1e12
         res["prefill_fraction_of_matmul_peak"] = res["prefill_tflops"] / ceilings["matmul_tflops"]
         res["fraction_of_roofline_ttft"] = bounds["ttft_s"] / med["ttft_s"]
+        tp = args.tensor_parallel_size
+        if tp > 1:  # the same bytes and FLOPs spread evenly over tp devices, collectives free: their combined roof
+            res["split_roofline"] = {"devices": tp, "tpot_s": bounds["tpot_s"] / tp}
+            res["fraction_of_split_roofline_tpot"] = bounds["tpot_s"] / tp / med["tpot_s"]
     try:
         from rooflm.kernels import gemv
 

@@ -47,6 +47,10 @@ def latency_lines(r: dict) -> list[str]:
         rb = r["roofline"]
         lines.append(f"  roofline: TPOT >= {duration(rb['tpot_s'])} ({_pct(r['fraction_of_roofline_tpot'])} reached), "
                      f"TTFT >= {duration(rb['ttft_s'])} ({_pct(r['fraction_of_roofline_ttft'])} reached)")
+        if "split_roofline" in r:
+            sr = r["split_roofline"]
+            lines.append(f"  over {sr['devices']} devices (bytes split evenly, collectives free): TPOT >= "
+                         f"{duration(sr['tpot_s'])} ({_pct(r['fraction_of_split_roofline_tpot'])} reached)")
         lines.append(f"  achieved {bandwidth(r['achieved_gbps'] * 1e9)} in decode = "
                      f"{_pct(r['fraction_of_copy_bandwidth'])} of the measured copy bandwidth; prefill "
                      f"{flop_rate(r['prefill_tflops'] * 1e12)} = {_pct(r['prefill_fraction_of_matmul_peak'])} of the "

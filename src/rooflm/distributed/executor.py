@@ -87,10 +87,17 @@ def threads_per_rank(world_size: int) -> int:
 
 
 def tp_cuda_graphs(config: "EngineConfig") -> bool:
-    """Capture decode CUDA graphs under tensor parallelism (``ROOFLM_TP_CUDA_GRAPHS=1``; off by default): every rank
-    then records its NCCL collectives in its graphs. Off, multi-GPU decode steps launch their kernels one by one.
-    Never under pipeline parallelism."""
-    return os.environ.get("ROOFLM_TP_CUDA_GRAPHS", "0") == "1" and config.pipeline_parallel_size == 1
+    """Whether tensor-parallel ranks capture decode CUDA graphs. ``ROOFLM_TP_CUDA_GRAPHS``: ``auto`` (default) captures
+    them when the group's small all-reduces run one-shot over peer memory (``small_collectives.py``: a decode step's
+    graph then holds no NCCL call), ``1`` also with NCCL collectives recorded in the graphs, ``0`` never. Every rank
+    reaches the same answer (the one-shot set-up is agreed over the group). Never under pipeline parallelism."""
+    mode = os.environ.get("ROOFLM_TP_CUDA_GRAPHS", "auto").strip().lower()
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"ROOFLM_TP_CUDA_GRAPHS={mode!r}: expected 'auto', '0' or '1'")
+    if config.pipeline_parallel_size != 1 or mode == "0":
+        return False
+    state = ps.get_state()
+    return mode == "1" or (state is not None and state.one_shot is not None)
 
 
 class WorkerDiedError(RuntimeError):

@@ -38,6 +38,7 @@ class ParallelState:
     device_group: Any
     cpu_group: Any
     pp_size: int = 1
+    one_shot: Any = None  # OneShotAllReduce for small CUDA all-reduces (small_collectives.py), None: NCCL/gloo only
 
     @property
     def tp_size(self) -> int:
@@ -72,8 +73,9 @@ def init_distributed(world_size: int, rank: int, init_method: str, device: torch
                      control_timeout_s: float | None = None) -> ParallelState:
     """Join the process group of ``world_size`` ranks as ``rank`` (``init_method``: a ``file://`` or ``tcp://`` URL,
     or ``env://`` under torchrun); ``pp_size``: 1 (tensor parallelism) or ``world_size`` (pipeline stages). NCCL
-    when ``device`` is CUDA, gloo otherwise. ``timeout_s`` bounds every collective, so a rank that stops answering ends the others with an error instead of a hang; ``control_timeout_s``
-    replaces it on the CPU group (a worker that waits there for the next step may wait as long as the engine idles)."""
+    when ``device`` is CUDA, gloo otherwise. ``timeout_s`` bounds every collective, so a rank that stops answering
+    ends the others with an error instead of a hang; ``control_timeout_s`` replaces it on the CPU group
+    (a worker that waits there for the next step may wait as long as the engine idles)."""
     global _STATE
     if _STATE is not None:
         raise RuntimeError("the distributed state is already initialised in this process")
@@ -93,6 +95,12 @@ def init_distributed(world_size: int, rank: int, init_method: str, device: torch
     else:
         cpu_group = device_group
     _STATE = ParallelState(world_size, rank, device, backend, device_group, cpu_group, pp_size)
+    if backend == "nccl" and _STATE.tp_size > 1:
+        from rooflm.distributed.small_collectives import OneShotAllReduce
+
+        _STATE.one_shot = OneShotAllReduce.create(device_group, device)  # a collective: every rank, same point
+        if all_reduce_min(int(_STATE.one_shot is not None)) == 0:  # one path for all ranks, or their collectives
+            _STATE.one_shot = None                                 # would not meet
     return _STATE
 
 
@@ -149,10 +157,13 @@ def pp_broadcast(x: torch.Tensor, src: int) -> torch.Tensor:
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of ``x`` over the tensor-parallel ranks (in place; ``x`` itself at size 1). Every rank ends with the
-    same values: the ring algorithms of gloo and NCCL reduce each chunk once and then copy it around."""
+    """The sum of ``x`` over the tensor-parallel ranks (use the result: in place for NCCL and gloo, a new tensor
+    on the one-shot path; ``x`` itself at size 1). Every rank ends with the same values: the ring algorithms of gloo
+    and NCCL reduce each chunk once and then copy it around; the one-shot path sums in rank order on every rank."""
     if _STATE is None or _STATE.tp_size == 1:
         return x
+    if _STATE.one_shot is not None and _STATE.one_shot.eligible(x):
+        return _STATE.one_shot(x)  # a new tensor: small decode all-reduces, one kernel (small_collectives.py)
     dist.all_reduce(x, group=_STATE.device_group)
     return x
 
@@ -163,6 +174,12 @@ def tp_all_gather(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     padding dropped). ``x`` itself at size 1."""
     if _STATE is None or _STATE.tp_size == 1:
         return x
+    one_shot = _STATE.one_shot
+    gathered_bytes = x.numel() // x.shape[-1] * sum(sizes) * x.element_size()
+    if one_shot is not None and x.is_cuda and gathered_bytes <= one_shot.max_bytes:
+        from rooflm.distributed.small_collectives import gather_by_sum
+
+        return gather_by_sum(x.contiguous(), sizes, _STATE.tp_rank, one_shot)
     width = max(sizes)
     if x.shape[-1] < width:
         x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))

@@ -65,7 +65,8 @@ class TorchrunExecutor(MultiprocExecutor):
         try:
             with ps.building_sharded_model():
                 runner = build_runner(config, self.device)
-            serve_steps(runner, lambda: ps.broadcast_object(None), self.device)
+            serve_steps(runner, lambda: ps.broadcast_object(None), self.device,
+                        pipelined=config.speculative_config is None)
         finally:
             ps.destroy_distributed()
         sys.exit(0)

@@ -49,19 +49,33 @@ def build_runner(config: "EngineConfig", device: torch.device):
     return runner
 
 
-def serve_steps(runner: Any, receive: Callable[[], bytes], device: torch.device) -> None:
+def serve_steps(runner: Any, receive: Callable[[], bytes], device: torch.device, pipelined: bool = True) -> None:
     """Execute every step ``receive()`` returns (its pipe's ``recv_bytes``, or a broadcast from rank 0 under
-    torchrun) until the stop message, or until ``EOFError`` (rank 0's end of the pipe closed)."""
+    torchrun) until the stop message, or until ``EOFError`` (rank 0's end of the pipe closed).
+
+    ``pipelined``: launch step N + 1 before waiting for step N's results, as rank 0 does under asynchronous
+    scheduling. Waiting first would leave this rank's GPU idle while the host unpickles and prepares the next step,
+    and every rank would wait for it at the step's first collective (rank 0 queues its steps ahead). A worker only
+    needs a step's results on the host for speculative decoding (``StepHandle.get()`` then records the verified
+    draft tokens before the next step), so the engine turns this off there."""
     from rooflm.distributed.executor import restore_output
 
+    pending = None
     while True:
         try:
             payload = receive()
         except EOFError:
-            return  # rank 0 is gone
+            return  # rank 0 is gone: its last step may never complete, so it is not waited for
         if not payload:
+            if pending is not None:
+                pending.get()
             return
-        runner.execute(restore_output(pickle.loads(payload), device)).get()
+        handle = runner.execute(restore_output(pickle.loads(payload), device))
+        if pending is not None:
+            pending.get()
+        pending = handle
+        if not pipelined:
+            pending, _ = None, handle.get()
 
 
 def run_worker(rank: int, world_size: int, init_method: str, config: "EngineConfig", device: torch.device, pipe: Any,
@@ -78,7 +92,7 @@ def run_worker(rank: int, world_size: int, init_method: str, config: "EngineConf
         ps.init_distributed(world_size, rank, init_method, device, timeout_s, pp_size)
         with ps.building_sharded_model():
             runner = build_runner(config, device)
-        serve_steps(runner, pipe.recv_bytes, device)
+        serve_steps(runner, pipe.recv_bytes, device, pipelined=config.speculative_config is None)
     except BaseException:  # noqa: BLE001 - reported, then the exit code tells rank 0
         traceback.print_exc()
         sys.stderr.flush()

@@ -186,7 +186,7 @@ class LLMEngine:
                     _kv_dtype_text(config.kv_cache_dtype, self.kv_dtype), num_blocks * config.block_size,
                     self.max_model_len, str(self.dtype).removeprefix("torch."), self.device,
                     "; asynchronous scheduling" if self.async_scheduling else "")
-        graphs_ok = self.parallel is None or tp_cuda_graphs(config)  # under TP only when asked; never under PP
+        graphs_ok = self.parallel is None or tp_cuda_graphs(config)  # see tp_cuda_graphs; never under PP
         # offloaded weights are copied in by Python hooks around each layer, which a CUDA graph would not replay
         offloading = getattr(self.model, "weight_offloader", None) is not None
         if self.device.type == "cuda" and not config.enforce_eager and graphs_ok and not offloading:
