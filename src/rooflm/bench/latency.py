@@ -67,7 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many GPUs (or CPU processes); CUDA graphs are off above 1")
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
-                   help="split the decoder layers into this many stages, one GPU (or CPU process) each")
+                   help="split the decoder layers into this many stages; with -tp, tp x pp GPUs (or CPU processes)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="mixture-of-experts models: each of the -tp ranks holds whole experts instead of a slice of "
+                        "every expert")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and weights")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="also time the same prompts with this speculative_config (same model, same process) and "
@@ -258,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
         attention_backend=args.attention_backend, seed=args.seed, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
         show_progress=False))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -293,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
         "output_len": L_out, "attention_backend": backend, "cuda_graphs": gr is not None,
         # the roofline figures below are for one device holding the whole model, also under these splits
         "tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,
+        "enable_expert_parallel": getattr(args, "enable_expert_parallel", False),
         "graph_sizes": gr.sizes if gr is not None else [], "ceilings": ceilings,
         "engine_init_s": init_s, "graph_capture_s": capture_s, "warmup_s": warmup_s,
         "ttft_s": med["ttft_s"], "tpot_s": med["tpot_s"], "e2e_s": med["e2e_s"],

@@ -1,0 +1,90 @@
+"""Mixtral over two CPU processes (gloo), with and without expert parallelism: the same tokens and logprobs as one
+process.
+
+The tiny Mixtral has 4 experts, top-2 routing and 2 layers. With ``enable_expert_parallel`` rank 0 holds experts 0-1
+whole and rank 1 experts 2-3; without it each rank holds half of every expert's intermediate columns."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rooflm.sampling_params import SamplingParams
+from test_tp_engine import PROMPTS, _assert_same
+from tp_helpers import run
+
+TINY_MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 131,
+                "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+                "num_local_experts": 4, "num_experts_per_tok": 2}
+
+
+def _write_checkpoint(folder, config: dict, seed: int) -> str:
+    """Random weights under Hugging Face names (``model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight``...)."""
+    from safetensors.torch import save_file
+
+    from rooflm.loader import load_model
+
+    (folder / "config.json").write_text(json.dumps(config))
+    model, _ = load_model(str(folder), load_format="dummy", seed=seed, show_progress=False)
+    tensors = {name: target.view().clone().contiguous() for name, target in model.weight_targets().items()}
+    save_file(tensors, str(folder / "model.safetensors"))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_mixtral(tmp_path_factory) -> str:
+    return _write_checkpoint(tmp_path_factory.mktemp("tiny-mixtral"), TINY_MIXTRAL, seed=5)
+
+
+def test_mixtral_expert_parallel_and_tensor_parallel_equal_one_process(make_engine, tiny_mixtral):
+    greedy = SamplingParams(max_tokens=8, temperature=0, logprobs=3, prompt_logprobs=2)
+    ref = run(make_engine(model=tiny_mixtral), PROMPTS, greedy)
+
+    ep = make_engine(model=tiny_mixtral, tensor_parallel_size=2, enable_expert_parallel=True)
+    moe = ep.model.model.layers[1].mlp
+    # rank 0: experts 0 and 1 whole (all 96 intermediate columns), the router over all 4
+    assert (moe.expert_start, tuple(moe.w13.shape), tuple(moe.w2.shape)) == (0, (2, 192, 64), (2, 64, 96))
+    assert moe.gate.out_features == 4
+    _assert_same(ref, run(ep, PROMPTS, greedy), tol=1e-5)
+    ep.shutdown()  # one process group per process: the next engine makes its own
+
+    tp = make_engine(model=tiny_mixtral, tensor_parallel_size=2)
+    moe = tp.model.model.layers[1].mlp
+    # rank 0: every expert, intermediate columns 0..47
+    assert (tuple(moe.w13.shape), tuple(moe.w2.shape)) == ((4, 96, 64), (4, 64, 48))
+    _assert_same(ref, run(tp, PROMPTS, greedy), tol=1e-5)
+
+
+def test_experts_that_do_not_split_evenly_are_refused_before_any_worker_starts(make_engine, tmp_path):
+    three = _write_checkpoint(tmp_path, {**TINY_MIXTRAL, "num_local_experts": 3}, seed=1)
+    with pytest.raises(ValueError, match=r"enable_expert_parallel=True with tensor_parallel_size=2 .*"
+                                         r"num_local_experts=3"):
+        make_engine(model=three, tensor_parallel_size=2, enable_expert_parallel=True)
+
+
+def test_moe_forward_adds_only_the_experts_a_rank_holds():
+    """Two halves of the experts, each computing its own contributions, sum to the whole layer."""
+    from rooflm.layers.activation import get_gated_activation
+    from rooflm.models.mixtral import moe_forward, route_topk
+
+    g = torch.Generator().manual_seed(0)
+    x, w13, w2 = torch.randn(7, 8, generator=g), torch.randn(4, 12, 8, generator=g), torch.randn(4, 8, 6, generator=g)
+    weights, ids = route_topk(torch.randn(7, 4, generator=g), 2)
+    act = get_gated_activation("silu")
+    whole = moe_forward(x, w13, w2, weights, ids, act)
+    halves = [moe_forward(x, w13[s:s + 2], w2[s:s + 2], weights, ids, act, expert_start=s) for s in (0, 2)]
+    assert all(h.abs().sum() > 0 for h in halves)
+    torch.testing.assert_close(halves[0] + halves[1], whole)
+    assert not torch.allclose(halves[0], whole)
+
+
+def test_the_loader_never_reads_another_ranks_tensors(tiny_mixtral):
+    from rooflm.loader.safetensors import iter_safetensors, safetensors_files
+
+    files = safetensors_files(tiny_mixtral)
+    every = [name for name, _ in iter_safetensors(files)]
+    kept = [name for name, _ in iter_safetensors(files, skip=lambda n: ".experts.3." in n)]
+    assert sorted(set(every) - set(kept)) == sorted(n for n in every if ".experts.3." in n)
+    assert len(every) - len(kept) == 2 * 3  # w1, w2, w3 of expert 3 in each of the 2 layers
