@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import statistics
 import sys
 import time
@@ -384,6 +385,14 @@ def preflight(args: argparse.Namespace, device, ceilings: dict, batch: int, kv_b
 
     est = pf.estimate(load_model_config(args.model), ceilings, pf.weight_bits(args.dtype, args.quantization), batch,
                       args.input_len, args.output_len, iterations, kv_bytes)
+    world = getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1)
+    if est is not None and world > 1:
+        # each rank holds 1/world of the weights and a KV pool of kv_bytes: on CUDA each on its own device (the free
+        # memory is one device's), on the CPU all of them in the host's memory
+        if device.type == "cuda":
+            est = dataclasses.replace(est, weights_bytes=est.weights_bytes / world)
+        else:
+            est = dataclasses.replace(est, kv_bytes=est.kv_bytes * world)
     pf.check(est, pf.available_memory(device.type), args.yes, args.model)
 
 
