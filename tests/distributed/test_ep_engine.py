@@ -88,3 +88,20 @@ def test_the_loader_never_reads_another_ranks_tensors(tiny_mixtral):
     kept = [name for name, _ in iter_safetensors(files, skip=lambda n: ".experts.3." in n)]
     assert sorted(set(every) - set(kept)) == sorted(n for n in every if ".experts.3." in n)
     assert len(every) - len(kept) == 2 * 3  # w1, w2, w3 of expert 3 in each of the 2 layers
+
+
+def test_the_flag_reaches_the_engine_config_and_bench_latency():
+    import argparse
+
+    from rooflm.bench.latency import add_arguments
+    from rooflm.entrypoints.args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_args(["-tp", "2", "--enable-expert-parallel", "--threads", "1"]))
+    assert (config.tensor_parallel_size, config.enable_expert_parallel) == (2, True)
+    assert not engine_config_from_args(parser.parse_args(["--threads", "1"])).enable_expert_parallel
+    bench = argparse.ArgumentParser()
+    add_arguments(bench)
+    assert bench.parse_args(["-tp", "2", "--enable-expert-parallel"]).enable_expert_parallel
+    assert not bench.parse_args([]).enable_expert_parallel
