@@ -105,3 +105,10 @@ def test_the_flag_reaches_the_engine_config_and_bench_latency():
     add_arguments(bench)
     assert bench.parse_args(["-tp", "2", "--enable-expert-parallel"]).enable_expert_parallel
     assert not bench.parse_args([]).enable_expert_parallel
+
+
+def test_a_flag_that_is_not_a_bool_is_a_value_error_naming_it():
+    from rooflm.config import EngineConfig
+
+    with pytest.raises(ValueError, match="EngineConfig.enable_expert_parallel='yes'"):
+        EngineConfig(enable_expert_parallel="yes")
