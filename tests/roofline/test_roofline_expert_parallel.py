@@ -33,3 +33,11 @@ def test_experts_that_do_not_split_over_the_gpus_are_refused():
     analyze(six, round_hw(), tp=4)  # without it, I = 128 splits over 4
     with pytest.raises(ValueError, match=r"tp=4 is invalid.*num_local_experts=6"):
         analyze(six, round_hw(), tp=4, expert_parallel=True)
+
+
+def test_the_report_says_expert_parallel():
+    from rooflm.roofline import report
+
+    ep = analyze(tiny_moe(), round_hw(), batch=1, input_len=8, output_len=2, tp=2, expert_parallel=True)
+    assert "tp 2 expert-parallel (figures per GPU)" in report.text_report(ep)
+    assert "expert-parallel" not in report.text_report(analyze(tiny_moe(), round_hw(), input_len=8, tp=2))
