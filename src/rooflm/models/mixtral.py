@@ -1,7 +1,8 @@
 """Mixtral: the Llama decoder with a sparse mixture-of-experts MLP (top-k routing, SwiGLU experts).
 
-Expert weights are stacked per layer: ``w13`` [num_experts, 2 * intermediate, hidden] (rows [w1=gate | w3=up]) and
-``w2`` [num_experts, hidden, intermediate]. The routing and expert loop here is the plain torch reference; a fused
+Expert weights are stacked per layer: ``w13`` [experts, 2 * intermediate, hidden] (rows [w1=gate | w3=up]) and
+``w2`` [experts, hidden, intermediate], over the experts and intermediate columns this rank holds (all of them on one
+rank). The routing and expert loop here is the plain torch reference; a fused
 MoE kernel can replace ``moe_forward`` behind the same signature. On the Triton path the expert projections of small
 batches go to the GEMV kernels (``linear_triton``) and the activation is the fused ``SiluAndMul``.
 
