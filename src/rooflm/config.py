@@ -286,9 +286,13 @@ class EngineConfig:
     # over this many processes (rank 0 is the calling process; the others are started by the engine). NCCL on CUDA
     # devices 0..N-1, gloo on the CPU. See docs/distributed.md.
     tensor_parallel_size: int = 1
-    # Pipeline parallelism: the decoder layers split into this many stages, one process each (not combined with
-    # tensor_parallel_size > 1).
+    # Pipeline parallelism: the decoder layers split into this many stages. Combined with tensor parallelism the
+    # engine runs tensor_parallel_size x pipeline_parallel_size processes: each stage is a tensor-parallel group.
     pipeline_parallel_size: int = 1
+    # Expert parallelism (vLLM's name): a mixture-of-experts model (Mixtral) gives each of the tensor_parallel_size
+    # ranks num_local_experts / tensor_parallel_size whole experts instead of a slice of every expert; attention
+    # stays tensor-parallel. No effect on a dense model or on one rank. See docs/distributed.md.
+    enable_expert_parallel: bool = False
     # Preemption when the KV pool runs short (vLLM's names): "recompute" frees the victim's blocks and recomputes its
     # context on resume; "swap" copies them to a host buffer of ``swap_space`` GiB and back; "auto" swaps when the
     # roofline's time to recompute the context exceeds the transfer time (rooflm.kv_cache.swap).
@@ -335,9 +339,8 @@ class EngineConfig:
             if spec.method != "ngram":
                 raise _bad("EngineConfig", "speculative_config.method", spec.method,
                            "'ngram' with tensor or pipeline parallelism (a draft model runs on rank 0 only)")
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise _bad("EngineConfig", "pipeline_parallel_size", self.pipeline_parallel_size,
-                       f"1 with tensor_parallel_size={self.tensor_parallel_size} (the two do not combine yet)")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise _bad("EngineConfig", "enable_expert_parallel", self.enable_expert_parallel, "True or False")
         if self.load_format not in LOAD_FORMATS:
             raise _bad("EngineConfig", "load_format", self.load_format, f"one of {LOAD_FORMATS}")
         if self.dtype not in ("auto",) + SUPPORTED_DTYPES:

@@ -102,3 +102,24 @@ def test_the_benchmark_kv_pool_is_sized_in_the_cache_dtype():
     assert sizes["int8"] == sizes["fp8"]
     # int8 values (1 byte) plus one float32 scale per token and head of 128: (128 + 4) / 256 of the fp16 bytes
     assert sizes["int8"] / sizes["auto"] == pytest.approx((128 + 4) / 256, rel=1e-6)
+
+
+def test_a_model_split_over_gpus_needs_only_its_share_on_each(monkeypatch):
+    """Mixtral-8x7B in float16 (about 87 GiB) does not fit one 80 GiB GPU, but its half does at -tp 2; on the CPU
+    the ranks share the host's memory, each with its own KV pool."""
+    import argparse
+
+    import torch
+
+    from rooflm.bench.latency import preflight as bench_preflight
+
+    _free(monkeypatch, 80 * GiB)
+    args = argparse.Namespace(model="mixtral-8x7b", dtype="float16", quantization=None, input_len=512,
+                              output_len=64, yes=True, tensor_parallel_size=1, pipeline_parallel_size=1)
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match="--model mixtral-8x7b: needs about"):
+        bench_preflight(args, cuda, CPU_CEILINGS, 1, GiB, 1)
+    args.tensor_parallel_size = 2
+    bench_preflight(args, cuda, CPU_CEILINGS, 1, GiB, 1)
+    with pytest.raises(ValueError, match="--model mixtral-8x7b: needs about"):
+        bench_preflight(args, torch.device("cpu"), CPU_CEILINGS, 1, GiB, 1)

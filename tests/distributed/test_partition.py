@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from rooflm.config import ModelConfig
-from rooflm.distributed.partition import (Shard, check_tensor_parallel, head_shard, narrow_packed, shard_model_config,
-                                          shard_range, split_sizes)
+from rooflm.distributed.partition import (Shard, check_tensor_parallel, expert_range, head_shard, narrow_packed,
+                                          shard_model_config, shard_range, split_sizes)
 from rooflm.quantization.packed import PackedWeight, dequantize, pack_int4
 
 
@@ -49,11 +49,26 @@ def test_shard_model_config_gives_the_rank_its_heads():
 
 
 @pytest.mark.parametrize("kw,tp", [(dict(num_attention_heads=4, num_key_value_heads=2), 3),
-                                   (dict(num_attention_heads=6, num_key_value_heads=1), 4),
-                                   (dict(num_local_experts=4, num_experts_per_tok=2), 2)])
+                                   (dict(num_attention_heads=6, num_key_value_heads=1), 4)])
 def test_unsplittable_models_are_refused_naming_the_field(kw, tp):
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         check_tensor_parallel(_cfg(**kw), tp)
+
+
+def test_experts_split_whole_over_the_expert_parallel_ranks_or_are_refused():
+    moe = _cfg(num_local_experts=8, num_experts_per_tok=2, num_attention_heads=12, num_key_value_heads=12)
+    check_tensor_parallel(moe, 4, expert_parallel=True)
+    assert [expert_range(8, 4, r) for r in range(4)] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    check_tensor_parallel(moe, 3)  # without expert parallelism each rank takes a slice of every expert
+    with pytest.raises(ValueError, match="enable_expert_parallel=True with tensor_parallel_size=3"):
+        check_tensor_parallel(moe, 3, expert_parallel=True)
+
+
+def test_shard_model_config_under_tensor_and_pipeline_parallelism():
+    cfg = _cfg(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    got = [shard_model_config(cfg, 2, tp_rank, 2, pp_rank) for pp_rank in range(2) for tp_rank in range(2)]
+    assert [(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) for c in got] == [
+        (2, 2, 1), (2, 2, 1), (1, 2, 1), (1, 2, 1)]
 
 
 def _packed(bits: int, n: int = 6, k: int = 64, group: int = 16, perm: bool = False) -> PackedWeight:

@@ -41,7 +41,7 @@ def test_default_model_pp2_with_chunked_prefill_equals_pp1(make_engine):
     _assert_same(ref, got, tol=1e-5)
 
 
-@pytest.mark.parametrize("kw", [dict(pipeline_parallel_size=0), dict(pipeline_parallel_size=2, tensor_parallel_size=2)])
+@pytest.mark.parametrize("kw", [dict(pipeline_parallel_size=0), dict(pipeline_parallel_size=-2, tensor_parallel_size=2)])
 def test_bad_pipeline_settings_are_value_errors_naming_the_field(kw):
     with pytest.raises(ValueError, match="pipeline_parallel_size"):
         EngineConfig(**kw)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import statistics
 import sys
 import time
@@ -67,7 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many GPUs (or CPU processes); CUDA graphs are off above 1")
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
-                   help="split the decoder layers into this many stages, one GPU (or CPU process) each")
+                   help="split the decoder layers into this many stages; with -tp, tp x pp GPUs (or CPU processes)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="mixture-of-experts models: each of the -tp ranks holds whole experts instead of a slice of "
+                        "every expert")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and weights")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="also time the same prompts with this speculative_config (same model, same process) and "
@@ -258,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
         attention_backend=args.attention_backend, seed=args.seed, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
         show_progress=False))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -294,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
         # the roofline figures below are for one device holding the whole model, also under these splits;
         # "split_roofline" (tensor parallelism): that bound divided over the devices
         "tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,
+        "enable_expert_parallel": getattr(args, "enable_expert_parallel", False),
         "graph_sizes": gr.sizes if gr is not None else [], "ceilings": ceilings,
         "engine_init_s": init_s, "graph_capture_s": capture_s, "warmup_s": warmup_s,
         "ttft_s": med["ttft_s"], "tpot_s": med["tpot_s"], "e2e_s": med["e2e_s"],
@@ -384,6 +390,14 @@ def preflight(args: argparse.Namespace, device, ceilings: dict, batch: int, kv_b
 
     est = pf.estimate(load_model_config(args.model), ceilings, pf.weight_bits(args.dtype, args.quantization), batch,
                       args.input_len, args.output_len, iterations, kv_bytes)
+    world = getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1)
+    if est is not None and world > 1:
+        # each rank holds 1/world of the weights and a KV pool of kv_bytes: on CUDA each on its own device (the free
+        # memory is one device's), on the CPU all of them in the host's memory
+        if device.type == "cuda":
+            est = dataclasses.replace(est, weights_bytes=est.weights_bytes / world)
+        else:
+            est = dataclasses.replace(est, kv_bytes=est.kv_bytes * world)
     pf.check(est, pf.available_memory(device.type), args.yes, args.model)
 
 

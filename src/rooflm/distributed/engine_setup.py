@@ -34,7 +34,8 @@ def init_parallel_engine(engine: "LLMEngine", config: "EngineConfig", model: Any
 
 
 def check_model(config: "EngineConfig") -> None:
-    """ValueError naming ``tensor_parallel_size`` when the model cannot be split that way (read from its config
+    """ValueError naming ``tensor_parallel_size`` (``pipeline_parallel_size``, ``enable_expert_parallel``) when the
+    model cannot be split that way (read from its config
     alone, without loading weights)."""
     from rooflm.config import load_model_config
     from rooflm.distributed.partition import check_pipeline_parallel, check_tensor_parallel
@@ -47,5 +48,5 @@ def check_model(config: "EngineConfig") -> None:
         cfg = read_gguf_config(path)
     else:
         cfg = load_model_config(path)
-    check_tensor_parallel(cfg, config.tensor_parallel_size)
+    check_tensor_parallel(cfg, config.tensor_parallel_size, config.enable_expert_parallel)
     check_pipeline_parallel(cfg, config.pipeline_parallel_size)

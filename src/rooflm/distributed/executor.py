@@ -113,6 +113,7 @@ class MultiprocExecutor:
 
         self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         self.pp_size = config.pipeline_parallel_size
+        self.expert_parallel = config.enable_expert_parallel
         if ps.get_state() is not None:
             raise RuntimeError("this process already belongs to a process group: shut the other engine down "
                                "(LLM.shutdown()) before starting another")
@@ -145,8 +146,9 @@ class MultiprocExecutor:
         if self.device.type == "cpu":
             torch.set_num_threads(min(torch.get_num_threads(), threads_per_rank(self.world_size)))
         self._join_group(init_method, timeout_s)
-        logger.info("%s parallelism: %d ranks (%s), workers %s", "pipeline" if self.pp_size > 1 else "tensor",
-                    self.world_size, ps.get_state().backend, [p.pid for p in self.procs])
+        logger.info("%d ranks (%d tensor-parallel x %d pipeline stages%s, %s), workers %s", self.world_size,
+                    self.world_size // self.pp_size, self.pp_size, ", expert-parallel" if self.expert_parallel else "",
+                    ps.get_state().backend, [p.pid for p in self.procs])
 
     def _join_group(self, init_method: str, timeout_s: float) -> None:
         """Join the group in a helper thread while watching the workers: one that dies before it joins (a failed
@@ -155,7 +157,8 @@ class MultiprocExecutor:
 
         def join() -> None:
             try:
-                ps.init_distributed(self.world_size, 0, init_method, self.device, timeout_s, self.pp_size)
+                ps.init_distributed(self.world_size, 0, init_method, self.device, timeout_s, self.pp_size,
+                                    expert_parallel=self.expert_parallel)
             except BaseException as e:  # noqa: BLE001 - handed to the main thread
                 failure.append(e)
 

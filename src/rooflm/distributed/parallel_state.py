@@ -7,12 +7,22 @@ only inside ``building_sharded_model()`` (the engine enters it while it builds a
 any other model built in the same process, e.g. a second engine at one rank, is whole and never communicates.
 Without an initialised group (the default: one process) the sizes are 1 and the ranks 0.
 
-Two groups cover the same ranks:
+Two groups cover all the ranks:
 
-- the *device group* (NCCL on CUDA, gloo on the CPU) carries activations: ``tp_all_reduce``, ``tp_all_gather``;
+- the *device group* (NCCL on CUDA, gloo on the CPU) carries activations: the pipeline's sends and receives and its
+  logits broadcast;
 - the *CPU group* (always gloo) carries pickled Python objects: ``broadcast_object`` (each step's scheduler
   output) and ``all_reduce_min`` (the KV pool size every rank can afford). Keeping control traffic off NCCL avoids a
   device synchronisation per message.
+
+A third, the *tensor-parallel group* (device backend), holds the ranks of one pipeline stage and carries
+``tp_all_reduce`` and ``tp_all_gather``. With ``world_size = tp * pp`` rank r runs stage ``r // tp`` as tensor-parallel
+rank ``r % tp``: the ranks of a stage are neighbours (on one host, the fast links), and a stage sends its activations
+to the rank of the same tensor-parallel rank in the next stage. Without pipeline parallelism it is the device group.
+
+Expert parallelism (``expert_parallel``, vLLM's ``enable_expert_parallel``) spans the tensor-parallel group: a
+mixture-of-experts layer gives each of its ranks whole experts instead of a slice of every expert
+(``get_ep_size`` / ``get_ep_rank``); its partial outputs meet in the same ``tp_all_reduce``.
 """
 from __future__ import annotations
 
@@ -28,8 +38,10 @@ import torch.distributed as dist
 
 @dataclass
 class ParallelState:
-    """This rank's place. Either tensor or pipeline parallelism spans the ranks (not both at once): with
-    ``pp_size == 1`` every rank is a tensor-parallel rank, with ``tp_size == 1`` rank r runs pipeline stage r."""
+    """This rank's place among ``world_size = tp_size * pp_size`` ranks: pipeline stage ``rank // tp_size``,
+    tensor-parallel rank ``rank % tp_size`` within it. ``tp_group``: the device group of this rank's stage (None: the
+    device group, when one stage spans every rank). ``expert_parallel``: mixture-of-experts layers split their
+    experts over the tensor-parallel ranks."""
 
     world_size: int
     rank: int
@@ -38,7 +50,13 @@ class ParallelState:
     device_group: Any
     cpu_group: Any
     pp_size: int = 1
+    tp_group: Any = None
+    expert_parallel: bool = False
     one_shot: Any = None  # OneShotAllReduce for small CUDA all-reduces (small_collectives.py), None: NCCL/gloo only
+
+    def __post_init__(self) -> None:
+        if self.tp_group is None:
+            self.tp_group = self.device_group
 
     @property
     def tp_size(self) -> int:
@@ -46,11 +64,19 @@ class ParallelState:
 
     @property
     def tp_rank(self) -> int:
-        return self.rank if self.pp_size == 1 else 0
+        return self.rank % self.tp_size
 
     @property
     def pp_rank(self) -> int:
-        return self.rank if self.pp_size > 1 else 0
+        return self.rank // self.tp_size
+
+    @property
+    def ep_size(self) -> int:
+        return self.tp_size if self.expert_parallel else 1
+
+    def global_rank(self, pp_rank: int) -> int:
+        """The rank of pipeline stage ``pp_rank`` that has this rank's tensor-parallel rank."""
+        return pp_rank * self.tp_size + self.tp_rank
 
 
 _STATE: ParallelState | None = None
@@ -70,9 +96,10 @@ def building_sharded_model() -> Iterator[None]:
 
 def init_distributed(world_size: int, rank: int, init_method: str, device: torch.device,
                      timeout_s: float = 600.0, pp_size: int = 1,
-                     control_timeout_s: float | None = None) -> ParallelState:
+                     control_timeout_s: float | None = None, expert_parallel: bool = False) -> ParallelState:
     """Join the process group of ``world_size`` ranks as ``rank`` (``init_method``: a ``file://`` or ``tcp://`` URL,
-    or ``env://`` under torchrun); ``pp_size``: 1 (tensor parallelism) or ``world_size`` (pipeline stages). NCCL
+    or ``env://`` under torchrun); ``pp_size``: the pipeline stages, a divisor of ``world_size`` (each stage then has
+    ``world_size // pp_size`` tensor-parallel ranks); ``expert_parallel``: see the module docstring. NCCL
     when ``device`` is CUDA, gloo otherwise. ``timeout_s`` bounds every collective, so a rank that stops answering
     ends the others with an error instead of a hang; ``control_timeout_s`` replaces it on the CPU group
     (a worker that waits there for the next step may wait as long as the engine idles)."""
@@ -81,8 +108,9 @@ def init_distributed(world_size: int, rank: int, init_method: str, device: torch
         raise RuntimeError("the distributed state is already initialised in this process")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is invalid for world_size={world_size}")
-    if pp_size not in (1, world_size):
-        raise ValueError(f"pp_size={pp_size} is invalid for world_size={world_size}: expected 1 or {world_size}")
+    if pp_size < 1 or world_size % pp_size:
+        raise ValueError(f"pp_size={pp_size} is invalid for world_size={world_size}: expected a divisor of it "
+                         "(tensor_parallel_size x pipeline_parallel_size ranks)")
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
@@ -94,11 +122,21 @@ def init_distributed(world_size: int, rank: int, init_method: str, device: torch
         cpu_group = dist.new_group(backend="gloo", timeout=control)
     else:
         cpu_group = device_group
-    _STATE = ParallelState(world_size, rank, device, backend, device_group, cpu_group, pp_size)
+    tp = world_size // pp_size
+    tp_group = None
+    if 1 < pp_size < world_size:
+        # every rank creates every stage's group, in the same order (new_group is collective over the world)
+        for stage in range(pp_size):
+            group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)), timeout=timeout)
+            if stage == rank // tp:
+                tp_group = group
+    _STATE = ParallelState(world_size, rank, device, backend, device_group, cpu_group, pp_size, tp_group,
+                           bool(expert_parallel))
     if backend == "nccl" and _STATE.tp_size > 1:
         from rooflm.distributed.small_collectives import OneShotAllReduce
 
-        _STATE.one_shot = OneShotAllReduce.create(device_group, device)  # a collective: every rank, same point
+        # a collective over this stage's ranks, at the same point on every rank
+        _STATE.one_shot = OneShotAllReduce.create(_STATE.tp_group, device)
         if all_reduce_min(int(_STATE.one_shot is not None)) == 0:  # one path for all ranks, or their collectives
             _STATE.one_shot = None                                 # would not meet
     return _STATE
@@ -130,6 +168,16 @@ def get_tp_rank() -> int:
     return _STATE.tp_rank if _sharding() else 0
 
 
+def get_ep_size() -> int:
+    """Ranks a mixture-of-experts layer splits its experts over: the tensor-parallel size under expert
+    parallelism, else 1 (each tensor-parallel rank then holds a slice of every expert)."""
+    return _STATE.ep_size if _sharding() else 1
+
+
+def get_ep_rank() -> int:
+    return _STATE.tp_rank if _sharding() and _STATE.expert_parallel else 0
+
+
 def get_pp_size() -> int:
     return _STATE.pp_size if _sharding() else 1
 
@@ -139,20 +187,23 @@ def get_pp_rank() -> int:
 
 
 def pp_send(x: torch.Tensor, dst: int) -> None:
-    """Send ``x`` to pipeline rank ``dst`` (the receiver knows its shape and dtype)."""
-    dist.send(x.contiguous(), dst, group=_STATE.device_group)
+    """Send ``x`` to pipeline stage ``dst``, to the rank there with this rank's tensor-parallel rank (the receiver
+    knows its shape and dtype)."""
+    dist.send(x.contiguous(), _STATE.global_rank(dst), group=_STATE.device_group)
 
 
 def pp_recv(shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
-    """Receive a tensor of ``shape`` and ``dtype`` from pipeline rank ``src``, on this rank's device."""
+    """Receive a tensor of ``shape`` and ``dtype`` from pipeline stage ``src`` (the rank there with this rank's
+    tensor-parallel rank), on this rank's device."""
     x = torch.empty(shape, dtype=dtype, device=_STATE.device)
-    dist.recv(x, src, group=_STATE.device_group)
+    dist.recv(x, _STATE.global_rank(src), group=_STATE.device_group)
     return x
 
 
 def pp_broadcast(x: torch.Tensor, src: int) -> torch.Tensor:
-    """``x`` from rank ``src`` on every rank (in place: the others pass a buffer of the right shape)."""
-    dist.broadcast(x, src, group=_STATE.device_group)
+    """``x`` from pipeline stage ``src`` (its tensor-parallel rank 0) on every rank (in place: the others pass a
+    buffer of the right shape)."""
+    dist.broadcast(x, src * _STATE.tp_size, group=_STATE.device_group)
     return x
 
 
@@ -164,7 +215,7 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
         return x
     if _STATE.one_shot is not None and _STATE.one_shot.eligible(x):
         return _STATE.one_shot(x)  # a new tensor: small decode all-reduces, one kernel (small_collectives.py)
-    dist.all_reduce(x, group=_STATE.device_group)
+    dist.all_reduce(x, group=_STATE.tp_group)
     return x
 
 
@@ -185,7 +236,7 @@ def tp_all_gather(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in sizes]
-    dist.all_gather(parts, x, group=_STATE.device_group)
+    dist.all_gather(parts, x, group=_STATE.tp_group)
     return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
 
 

@@ -10,6 +10,10 @@ Megatron-style partitioning (Shoeybi et al. 2019):
 - vocab-parallel embedding: each rank holds a range of token rows, looks up the ids in its range (zeros elsewhere),
   and an all-reduce adds the ranks' rows.
 
+Mixture-of-experts layers (Mixtral) split each expert like a dense MLP (a slice of its intermediate columns on every
+rank), or, under expert parallelism, give each rank ``num_experts / tp`` whole experts (a contiguous range,
+``expert_range``); the router stays whole on every rank either way.
+
 Attention heads are split by KV-head group, so every query head finds its KV head on its own rank. When a dimension
 does not split evenly (SmolLM2-135M has 9 query heads and 3 KV heads), the first ranks get one unit more: with 2 ranks
 rank 0 holds 2 KV heads (6 query heads) and rank 1 holds 1 (3). With more ranks than KV heads, each KV head is
@@ -48,13 +52,16 @@ class HeadShard:
     num_kv_heads: int
 
 
-def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
-    """ValueError naming ``tensor_parallel_size`` when ``cfg`` cannot be split over ``tp`` ranks."""
+def check_tensor_parallel(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
+    """ValueError naming ``tensor_parallel_size`` (and ``enable_expert_parallel``) when ``cfg`` cannot be split over
+    ``tp`` ranks."""
     if tp == 1:
         return
-    if cfg.is_moe:
-        raise ValueError(f"tensor_parallel_size={tp}: mixture-of-experts models ({cfg.architecture}) run on one rank "
-                         "only for now")
+    if cfg.is_moe and expert_parallel and cfg.num_local_experts % tp:
+        raise ValueError(f"enable_expert_parallel=True with tensor_parallel_size={tp} is invalid for "
+                         f"{cfg.name or cfg.architecture}: its num_local_experts={cfg.num_local_experts} do not split "
+                         "evenly over the ranks (use a tensor_parallel_size that divides them, or turn expert "
+                         "parallelism off)")
     kv, heads = cfg.num_key_value_heads, cfg.num_attention_heads
     if tp > kv and (tp % kv or heads % tp):
         raise ValueError(f"tensor_parallel_size={tp} is invalid for {cfg.name or cfg.architecture}: with more ranks "
@@ -75,14 +82,20 @@ def head_shard(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> HeadSha
     return HeadShard(q_start, per_rank, q_start // group, 1)
 
 
-def shard_model_config(cfg: ModelConfig, tp: int, rank: int, pp: int = 1) -> ModelConfig:
-    """``cfg`` with the head counts (tensor parallelism) or the decoder layers (pipeline parallelism) of one rank:
+def expert_range(num_experts: int, ep: int, rank: int) -> tuple[int, int]:
+    """(first expert, count) of the whole experts expert-parallel rank ``rank`` of ``ep`` holds (``check_tensor_
+    parallel`` makes sure they split evenly)."""
+    return shard_range(num_experts, ep, rank)
+
+
+def shard_model_config(cfg: ModelConfig, tp: int, tp_rank: int, pp: int = 1, pp_rank: int = 0) -> ModelConfig:
+    """``cfg`` with the head counts (tensor parallelism) and the decoder layers (pipeline parallelism) of one rank:
     what its KV cache holds. Everything else unchanged."""
     if pp > 1:
-        return dataclasses.replace(cfg, num_hidden_layers=shard_range(cfg.num_hidden_layers, pp, rank)[1])
+        cfg = dataclasses.replace(cfg, num_hidden_layers=shard_range(cfg.num_hidden_layers, pp, pp_rank)[1])
     if tp == 1:
         return cfg
-    hs = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads, tp, rank)
+    hs = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads, tp, tp_rank)
     return dataclasses.replace(cfg, num_attention_heads=hs.num_heads, num_key_value_heads=hs.num_kv_heads)
 
 

@@ -53,7 +53,7 @@ class TorchrunExecutor(MultiprocExecutor):
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
             torch.set_num_threads(threads_per_rank(local_world))
         ps.init_distributed(world_size, rank, "env://", self.device, timeout_s, self.pp_size,
-                            control_timeout_s=IDLE_TIMEOUT_S)
+                            control_timeout_s=IDLE_TIMEOUT_S, expert_parallel=config.enable_expert_parallel)
         if rank > 0:
             self._serve(config)
         _LIVE.add(self)  # interpreter exit sends the stop message

@@ -39,7 +39,7 @@ def build_runner(config: "EngineConfig", device: torch.device):
                             attn_backend=config.attention_backend, ops=config.ops, seed=config.seed,
                             show_progress=False, quantization=config.quantization)
     state = ps.get_state()
-    kv_cfg = shard_model_config(cfg, state.tp_size, state.rank, state.pp_size)
+    kv_cfg = shard_model_config(cfg, state.tp_size, state.tp_rank, state.pp_size, state.pp_rank)
     num_blocks = ps.all_reduce_min(kv_pool_blocks(config, model.eval(), kv_cfg, device, dtype))
     max_model_len, eos_token_ids = ps.broadcast_object(None)
     runner = ModelRunner(model, kv_cfg, num_blocks, config.block_size, device, dtype, config.max_num_seqs,
@@ -89,7 +89,8 @@ def run_worker(rank: int, world_size: int, init_method: str, config: "EngineConf
     try:
         if device.type == "cpu":
             torch.set_num_threads(threads_per_rank(world_size))
-        ps.init_distributed(world_size, rank, init_method, device, timeout_s, pp_size)
+        ps.init_distributed(world_size, rank, init_method, device, timeout_s, pp_size,
+                            expert_parallel=config.enable_expert_parallel)
         with ps.building_sharded_model():
             runner = build_runner(config, device)
         serve_steps(runner, pipe.recv_bytes, device, pipelined=config.speculative_config is None)

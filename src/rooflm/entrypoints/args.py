@@ -40,7 +40,10 @@ _HELP = {
     "fair_input_weight": "fair: cost of one prompt token in the virtual token counter",
     "fair_output_weight": "fair: cost of one generated token in the virtual token counter",
     "tensor_parallel_size": "split the model over this many processes: GPUs 0..N-1 (NCCL) or CPU processes (gloo)",
-    "pipeline_parallel_size": "split the decoder layers into this many stages, one process (GPU) each",
+    "pipeline_parallel_size": "split the decoder layers into this many stages; with -tp, each stage is a "
+                              "tensor-parallel group (tp x pp processes, one GPU each)",
+    "enable_expert_parallel": "mixture-of-experts models: each of the -tp ranks holds whole experts (num_experts / "
+                              "tp of them) instead of a slice of every expert; attention stays tensor-parallel",
     "preemption_mode": "recompute | swap | auto: what happens to a preempted request's KV (auto: swap when the "
                        "roofline's time to recompute its context exceeds the host transfer time)",
     "swap_space": "GiB of host memory for swapped-out KV blocks (preemption_mode swap or auto)",

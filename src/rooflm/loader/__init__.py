@@ -198,7 +198,8 @@ def load_model(
 
             tensors = iter_quantized_safetensors(files, cfg.hf_config["quantization_config"], dtype)
         else:
-            tensors = iter_safetensors(files)
+            # another rank's weights (pipeline stage, experts) stay on disk
+            tensors = iter_safetensors(files, skip=getattr(getattr(net, "model", None), "other_stage_weight", None))
         net.load_weights(_progress(tensors, count_tensors(files), show_progress, "Loading weights"))
     else:
         from rooflm.loader.gguf import iter_gguf_tensors, open_gguf

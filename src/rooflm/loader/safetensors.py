@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -47,13 +47,18 @@ def count_tensors(files: list[str]) -> int:
     return n
 
 
-def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, CPU tensor) for every tensor of every file. A corrupt or truncated file raises ValueError naming it."""
+def iter_safetensors(files: list[str], skip: Callable[[str], bool] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, CPU tensor) for every tensor of every file, except those ``skip`` is true for, which are never read
+    (another pipeline stage's layers, another expert-parallel rank's experts). A corrupt or truncated file raises
+    ValueError naming it."""
     from safetensors import safe_open
 
     for path in files:
         with _open(path, safe_open) as f:
             for name in f.keys():
+                if skip is not None and skip(name):
+                    continue
                 try:
                     tensor = f.get_tensor(name)
                 except Exception as e:  # truncated data region

@@ -28,7 +28,8 @@ from torch import nn
 
 from rooflm.attention.backend import AttentionMetadata
 from rooflm.config import ModelConfig
-from rooflm.distributed.parallel_state import get_pp_rank, get_pp_size, get_tp_rank, get_tp_size, tp_all_reduce
+from rooflm.distributed.parallel_state import (get_ep_size, get_pp_rank, get_pp_size, get_tp_rank, get_tp_size,
+                                              tp_all_reduce)
 from rooflm.distributed.pipeline import (MissingLayer, pp_layer_range, receive_activations, send_activations,
                                          share_logits)
 from rooflm.distributed.partition import Shard, check_tensor_parallel, head_shard, narrow_weight, shard_range
@@ -263,7 +264,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        check_tensor_parallel(config, get_tp_size())
+        check_tensor_parallel(config, get_tp_size(), expert_parallel=get_ep_size() > 1)
         self.config = config
         self.model = self.model_class(config)
         tie = self.model.embed_tokens if config.tie_word_embeddings else None

@@ -1,9 +1,19 @@
 """Mixtral: the Llama decoder with a sparse mixture-of-experts MLP (top-k routing, SwiGLU experts).
 
-Expert weights are stacked per layer: ``w13`` [num_experts, 2 * intermediate, hidden] (rows [w1=gate | w3=up]) and
-``w2`` [num_experts, hidden, intermediate]. The routing and expert loop here is the plain torch reference; a fused
+Expert weights are stacked per layer: ``w13`` [experts, 2 * intermediate, hidden] (rows [w1=gate | w3=up]) and
+``w2`` [experts, hidden, intermediate], over the experts and intermediate columns this rank holds (all of them on one
+rank). The routing and expert loop here is the plain torch reference; a fused
 MoE kernel can replace ``moe_forward`` behind the same signature. On the Triton path the expert projections of small
 batches go to the GEMV kernels (``linear_triton``) and the activation is the fused ``SiluAndMul``.
+
+Tensor parallelism (``rooflm.distributed``): attention splits its heads as in Llama. The experts split one of two
+ways, each ending in one all-reduce of the layer's output over the tensor-parallel ranks:
+
+- by default (Megatron-style) every rank holds a slice of every expert: the rows of w1 and w3 and the matching
+  columns of w2, ``intermediate / tp`` of them, so each rank computes a partial sum of every routed token's output;
+- under expert parallelism (``enable_expert_parallel``; GShard, Lepikhin et al. 2021) rank r holds whole experts
+  [r·E/tp, (r+1)·E/tp). The router is replicated, so every rank routes every token the same way; a rank computes only
+  the contributions of its own experts (a token routed elsewhere adds zero there) and the all-reduce sums them.
 
 Quantization (``rooflm.quantization``) covers the attention projections (``Linear``) and, if asked, the LM head; the
 stacked experts stay float (a quantized weight of a checkpoint is dequantized into them at load time), and so does
@@ -17,6 +27,8 @@ import torch
 from torch import nn
 
 from rooflm.config import ModelConfig
+from rooflm.distributed.parallel_state import get_ep_rank, get_ep_size, get_tp_rank, get_tp_size, tp_all_reduce
+from rooflm.distributed.partition import Shard, expert_range, shard_range
 from rooflm.layers.activation import get_gated_activation
 from rooflm.layers.custom_op import CustomOp
 from rooflm.layers.linear import Linear, linear_native, linear_triton
@@ -39,12 +51,19 @@ def moe_forward(
     topk_ids: torch.Tensor,  # [T, top_k]
     act_and_mul: Callable[[torch.Tensor], torch.Tensor],
     linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = linear_native,
+    expert_start: int = 0,
 ) -> torch.Tensor:  # [T, hidden]
+    """The weighted sum of each token's chosen experts. ``w13`` and ``w2`` hold experts [expert_start, expert_start +
+    w13.shape[0]) (expert parallelism: this rank's share; ``topk_ids`` are global ids): a token's choice of another
+    expert adds nothing here."""
     out = torch.zeros_like(x)
+    num_local = w13.shape[0]
     for e in torch.unique(topk_ids).tolist():  # only the experts some token chose
+        if not expert_start <= e < expert_start + num_local:
+            continue  # another rank's expert
         token_idx, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-        h = act_and_mul(linear(x[token_idx], w13[e]))  # [n_e, intermediate]
-        y = linear(h, w2[e])  # [n_e, hidden]
+        h = act_and_mul(linear(x[token_idx], w13[e - expert_start]))  # [n_e, intermediate]
+        y = linear(h, w2[e - expert_start])  # [n_e, hidden]
         out.index_add_(0, token_idx, y * topk_weights[token_idx, slot, None].to(y.dtype))
     return out
 
@@ -54,32 +73,47 @@ class MixtralMoE(CustomOp):
         super().__init__()
         self.num_experts = cfg.num_local_experts
         self.top_k = cfg.num_experts_per_tok
-        self.intermediate_size = cfg.intermediate_size
-        self.gate = Linear(cfg.hidden_size, self.num_experts)  # the router
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        ep, ep_rank = get_ep_size(), get_ep_rank()
+        # this rank's experts (all of them unless expert-parallel) and its columns of their intermediate activation
+        self.expert_start, self.num_local_experts = expert_range(self.num_experts, ep, ep_rank)
+        self.sliced = self.tp_size > 1 and ep == 1  # Megatron-style: a slice of every expert
+        self.inter_start, self.intermediate_size = (shard_range(cfg.intermediate_size, self.tp_size, self.tp_rank)
+                                                    if self.sliced else (0, cfg.intermediate_size))
+        self.gate = Linear(cfg.hidden_size, self.num_experts)  # the router, whole on every rank
         self.gate.keep_float = True  # load-time quantization leaves it float
-        self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * cfg.intermediate_size, cfg.hidden_size),
+        self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.intermediate_size, cfg.hidden_size),
                                 requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(self.num_experts, cfg.hidden_size, cfg.intermediate_size),
+        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, cfg.hidden_size, self.intermediate_size),
                                requires_grad=False)
         self.act_and_mul = get_gated_activation(cfg.hidden_act)
 
-    def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+    def _experts(self, x: torch.Tensor, linear) -> torch.Tensor:
         weights, ids = route_topk(self.gate(x), self.top_k)
-        return moe_forward(x, self.w13, self.w2, weights, ids, self.act_and_mul, linear_native)
+        out = moe_forward(x, self.w13, self.w2, weights, ids, self.act_and_mul, linear, self.expert_start)
+        return tp_all_reduce(out) if self.tp_size > 1 else out  # partial sums (of slices or of experts) added up
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return self._experts(x, linear_native)
 
     def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_topk(self.gate(x), self.top_k)
-        return moe_forward(x, self.w13, self.w2, weights, ids, self.act_and_mul, linear_triton)
+        return self._experts(x, linear_triton)
+
+    def is_local_expert(self, e: int) -> bool:
+        return self.expert_start <= e < self.expert_start + self.num_local_experts
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
-        """HF Mixtral names: ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.{e}.w1/w2/w3``."""
+        """HF Mixtral names: ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.{e}.w1/w2/w3``; only this
+        rank's experts, cut to its intermediate columns under tensor parallelism without expert parallelism."""
         size = self.intermediate_size
+        rows_cut = Shard(0, self.inter_start, size) if self.sliced else None
+        cols_cut = Shard(1, self.inter_start, size) if self.sliced else None
         t = {f"{prefix}.gate.weight": WeightTarget(self.gate.weight)}
-        for e in range(self.num_experts):
-            p = f"{prefix}.experts.{e}"
-            t[f"{p}.w1.weight"] = WeightTarget(self.w13, (e, slice(0, size)))
-            t[f"{p}.w3.weight"] = WeightTarget(self.w13, (e, slice(size, 2 * size)))
-            t[f"{p}.w2.weight"] = WeightTarget(self.w2, (e,))
+        for e in range(self.expert_start, self.expert_start + self.num_local_experts):
+            p, i = f"{prefix}.experts.{e}", e - self.expert_start
+            t[f"{p}.w1.weight"] = WeightTarget(self.w13, (i, slice(0, size)), rows_cut)
+            t[f"{p}.w3.weight"] = WeightTarget(self.w13, (i, slice(size, 2 * size)), rows_cut)
+            t[f"{p}.w2.weight"] = WeightTarget(self.w2, (i,), cols_cut)
         return t
 
 
@@ -92,6 +126,15 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
 
 class MixtralModel(LlamaModel):
     layer_class = MixtralDecoderLayer
+
+    def other_stage_weight(self, name: str) -> bool:
+        """Also true for the experts another expert-parallel rank holds: they are skipped as they stream past."""
+        if super().other_stage_weight(name):
+            return True
+        parts = name.split(".")  # model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight
+        if len(parts) > 5 and parts[3] == "block_sparse_moe" and parts[4] == "experts":
+            return not self.layers[int(parts[2])].mlp.is_local_expert(int(parts[5]))
+        return False
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

@@ -129,7 +129,7 @@ def analyze(model: "str | ModelConfig", hardware: str | Hardware = "a6000", *, b
             output_len: int = 256, w_bits: object = 16, a_bits: object = 16, kv_bits: object = 16,
             flash_attention: bool = False, tp: int = 1, decode_context: int | None = None,
             prefill_logits: str = "all", device_file: str | None = None,
-            llm_viewer_elementwise: bool = False) -> AnalysisResult:
+            llm_viewer_elementwise: bool = False, expert_parallel: bool = False) -> AnalysisResult:
     """Roofline analysis of one deployment.
 
     model: a named config (``llama-2-7b``), a config.json / checkpoint folder / .gguf path, or a ``ModelConfig``.
@@ -138,6 +138,7 @@ def analyze(model: "str | ModelConfig", hardware: str | Hardware = "a6000", *, b
     w_bits / a_bits / kv_bits: 32, 16, bf16, 8, fp8 or 4; w_bits may also be a ``Format`` whose bytes per element
     are those a quantized model's packed weights take (scales and zero points included).
     tp: tensor-parallel degree (figures per GPU).
+    expert_parallel: a MoE model's experts split whole over the ``tp`` GPUs instead of a slice of each on every GPU.
     decode_context: tokens the reported decode step attends to (default input_len, as in Table 1 of Yuan et al. 2024).
     prefill_logits: "all" (lm_head on every prompt token) or "last" (only the sampled positions).
     Returns ``AnalysisResult``: ``.prefill`` / ``.decode`` (rows + totals), ``.memory``, ``.request``."""
@@ -151,7 +152,7 @@ def analyze(model: "str | ModelConfig", hardware: str | Hardware = "a6000", *, b
         p = replace(Precision.of(16, a_bits, kv_bits), weight=w_bits)
     else:
         p = Precision.of(w_bits, a_bits, kv_bits)
-    x = _Ctx(Dims.of(cfg, tp), p, Counting(bool(flash_attention), prefill_logits, llm_viewer_elementwise), hw)
+    x = _Ctx(Dims.of(cfg, tp, expert_parallel), p, Counting(bool(flash_attention), prefill_logits, llm_viewer_elementwise), hw)
 
     prefill = _stage(x, "prefill", batch, input_len, input_len)
     decode = _stage(x, "decode", batch, 1, context)
@@ -188,7 +189,7 @@ def analyze(model: "str | ModelConfig", hardware: str | Hardware = "a6000", *, b
     settings: dict[str, Any] = {
         "batch": batch, "input_len": input_len, "output_len": output_len, "decode_context": context,
         "w_bits": p.weight.name, "a_bits": p.act.name, "kv_bits": p.kv.name, "flash_attention": bool(flash_attention),
-        "tp": tp, "prefill_logits": prefill_logits, "llm_viewer_elementwise": llm_viewer_elementwise,
+        "tp": tp, "expert_parallel": bool(expert_parallel), "prefill_logits": prefill_logits, "llm_viewer_elementwise": llm_viewer_elementwise,
         "num_hidden_layers": cfg.num_hidden_layers,
     }
     return AnalysisResult(model=cfg.name or cfg.architecture, hardware=hw, settings=settings, prefill=prefill,

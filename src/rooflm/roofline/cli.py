@@ -36,6 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-bits", default="16", help=f"KV-cache bits: {BITS_HELP} (default 16)")
     p.add_argument("--flash-attention", action="store_true", help="one fused attention operator")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (figures per GPU; default 1)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tp: a mixture-of-experts model's experts split whole over the GPUs")
     p.add_argument("--logits", choices=("all", "last"), default="all",
                    help="prefill lm_head on all prompt tokens (transformers) or the last only (vLLM); default all")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE", help="write JSON (to stdout without FILE)")
@@ -104,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
     options = dict(output_len=args.output_len, a_bits=args.a_bits, kv_bits=args.kv_bits,
                    flash_attention=args.flash_attention, tp=args.tp, decode_context=args.decode_context,
-                   prefill_logits=args.logits)
+                   prefill_logits=args.logits, expert_parallel=args.enable_expert_parallel)
     results = sweep(args.model, hw, batches=batches, input_lens=input_lens, w_bits_list=w_bits_list, **options)
 
     to_stdout = args.json == "-" or args.csv == "-"

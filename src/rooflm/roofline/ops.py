@@ -2,8 +2,8 @@
 
 Notation (per GPU, after tensor-parallel sharding): b batch, q tokens per sequence in this pass (prefill: the prompt
 length s; decode: 1), T = b·q tokens, L keys attended (prefill: s; decode: min(context, window)), h hidden, I
-intermediate (÷tp), H query heads (÷tp), Hk KV heads (÷tp, at least 1), d head_dim, V vocab (÷tp), E experts, k
-experts per token. Byte sizes: a activation, w weight, kv KV cache, hp the un-quantized float (embeddings, lm_head,
+intermediate (÷tp; whole under expert parallelism), H query heads (÷tp), Hk KV heads (÷tp, at least 1), d head_dim,
+V vocab (÷tp), E experts (E/ep on each GPU under expert parallelism, ep = tp), k experts per token. Byte sizes: a activation, w weight, kv KV cache, hp the un-quantized float (embeddings, lm_head,
 norms, router, biases). A multiply-accumulate counts 2 OPs. Every formula below is per operator, per layer."""
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ class Counting:
 @dataclass(frozen=True)
 class Dims:
     """Per-GPU model dimensions after sharding by ``tp`` (Megatron-style: heads, intermediate and vocab split;
-    KV heads replicated when there are fewer than ``tp``)."""
+    KV heads replicated when there are fewer than ``tp``). ``ep``: the GPUs a MoE layer's experts are split over,
+    whole (expert parallelism: ``tp``, and ``inter`` stays whole), or 1."""
 
     hidden: int
     inter: int
@@ -63,26 +64,30 @@ class Dims:
     qkv_bias: bool = False
     tp: int = 1
     full_vocab: int = 0
+    ep: int = 1
 
     @classmethod
-    def of(cls, cfg: "ModelConfig", tp: int = 1) -> "Dims":
+    def of(cls, cfg: "ModelConfig", tp: int = 1, expert_parallel: bool = False) -> "Dims":
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tp={tp!r} is invalid: expected a positive integer")
         H, Hk, I = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
-        ok = [t for t in range(1, H + 1) if H % t == 0 and I % t == 0 and (Hk % t == 0 or t % Hk == 0)]
+        ep = tp if expert_parallel and cfg.is_moe else 1
+        # what the MLP splits: whole experts under expert parallelism, else every expert's intermediate columns
+        split, split_name = (cfg.num_local_experts, "num_local_experts") if ep > 1 else (I, "intermediate_size")
+        ok = [t for t in range(1, H + 1) if H % t == 0 and split % t == 0 and (Hk % t == 0 or t % Hk == 0)]
         if tp not in ok:
             raise ValueError(f"tp={tp} is invalid for {cfg.name or cfg.architecture}: expected one of {ok} "
-                             f"(divides num_attention_heads={H} and intermediate_size={I}; "
+                             f"(divides num_attention_heads={H} and {split_name}={split}; "
                              f"divides or is a multiple of num_key_value_heads={Hk})")
         if cfg.is_moe and not 1 <= cfg.num_experts_per_tok <= cfg.num_local_experts:
             raise ValueError(f"num_experts_per_tok={cfg.num_experts_per_tok} is invalid: expected 1.."
                              f"num_local_experts={cfg.num_local_experts}")
-        return cls(hidden=cfg.hidden_size, inter=I // tp, heads=H // tp, kv_heads=max(1, Hk // tp),
+        return cls(hidden=cfg.hidden_size, inter=I // (tp // ep), heads=H // tp, kv_heads=max(1, Hk // tp),
                    head_dim=cfg.head_dim, vocab=math.ceil(cfg.vocab_size / tp), layers=cfg.num_hidden_layers,
                    experts=cfg.num_local_experts if cfg.is_moe else 0,
                    top_k=cfg.num_experts_per_tok if cfg.is_moe else 0, window=cfg.sliding_window,
                    tie_embeddings=cfg.tie_word_embeddings, qkv_bias=cfg.attention_bias, tp=tp,
-                   full_vocab=cfg.vocab_size)
+                   full_vocab=cfg.vocab_size, ep=ep)
 
 
 @dataclass(frozen=True)
@@ -196,7 +201,9 @@ def attention_ops(d: Dims, p: Precision, c: Counting, stage: str, batch: int, q_
 def _mlp_ops(d: Dims, p: Precision, tokens: int) -> list[OpCount]:
     """Gated MLP. Dense: gate/up (h -> I), act on T·I elements (not T·h), down (I -> h).
     MoE: router (h -> E, hp weights), each token to k experts (R = T·k routed rows); expert weights loaded for the
-    expected number of distinct experts touched; a combine sums the k weighted outputs (OPs 2·R·h)."""
+    expected number of distinct experts touched; a combine sums the k weighted outputs (OPs 2·R·h). Expert
+    parallelism over ep GPUs: the router stays whole; each GPU runs 1/ep of the routed rows and of the distinct
+    experts (uniform routing spreads them evenly), on whole experts."""
     h, I, a = d.hidden, d.inter, p.act.bytes
     if not d.experts:
         return [
@@ -206,8 +213,8 @@ def _mlp_ops(d: Dims, p: Precision, tokens: int) -> list[OpCount]:
                     store_act=tokens * I * a),
             _linear("down_proj", tokens, I, h, I * h, p),
         ]
-    R = tokens * d.top_k
-    distinct = expected_distinct_experts(d.experts, d.top_k, tokens)
+    R = tokens * d.top_k / d.ep
+    distinct = expected_distinct_experts(d.experts, d.top_k, tokens) / d.ep
     return [
         _linear("router", tokens, h, d.experts, h * d.experts, p, weight_role="high"),
         _linear("gate_proj", R, h, I, distinct * h * I, p),
@@ -266,13 +273,13 @@ def model_ops(d: Dims, p: Precision, c: Counting, stage: str, batch: int, q_len:
 
 def weight_bytes(d: Dims, p: Precision) -> dict[str, float]:
     """Bytes of every weight, per GPU: embeddings, lm_head (none when tied), attention and MLP linears (all E experts
-    for MoE, plus the router), biases, the 2 norms per layer and the final norm."""
+    for MoE, E/ep under expert parallelism, plus the router), biases, the 2 norms per layer and the final norm."""
     h, I, H, Hk, dh, n = d.hidden, d.inter, d.heads, d.kv_heads, d.head_dim, d.layers
     w, hp = p.weight.bytes, p.high.bytes
     attn = n * (h * H * dh + 2 * h * Hk * dh + H * dh * h) * w
     if d.qkv_bias:
         attn += n * (H + 2 * Hk) * dh * hp
-    mlp = n * 3 * h * I * w * max(1, d.experts) + (n * h * d.experts * hp if d.experts else 0)
+    mlp = n * 3 * h * I * w * max(1, d.experts // d.ep) + (n * h * d.experts * hp if d.experts else 0)
     emb = d.vocab * h * hp
     return {"embedding": emb, "lm_head": 0.0 if d.tie_embeddings else emb, "attention": attn, "mlp": mlp,
             "norms": (2 * n + 1) * h * hp}

@@ -65,7 +65,8 @@ def text_report(r: AnalysisResult) -> str:
     out = [
         f"Roofline of {r.model} on {hw.name} ({bandwidth(hw.memory_bandwidth)}; peaks {peaks})",
         f"  W{st['w_bits']} A{st['a_bits']} KV{st['kv_bits']}, flash attention {'on' if st['flash_attention'] else 'off'}"
-        f", tp {st['tp']}" + (" (figures per GPU)" if st["tp"] > 1 else ""),
+        f", tp {st['tp']}" + (" expert-parallel" if st.get("expert_parallel") else "")
+        + (" (figures per GPU)" if st["tp"] > 1 else ""),
         "",
         stage_table(r.prefill, st["num_hidden_layers"]),
         "",
@@ -100,7 +101,8 @@ def sweep_table(results: Sequence[AnalysisResult]) -> str:
     first = results[0]
     head = (f"Sweep of {first.model} on {first.hardware.name}: A{first.settings['a_bits']} "
             f"KV{first.settings['kv_bits']}, output {first.settings['output_len']} tokens, flash attention "
-            f"{'on' if first.settings['flash_attention'] else 'off'}, tp {first.settings['tp']}")
+            f"{'on' if first.settings['flash_attention'] else 'off'}, tp {first.settings['tp']}"
+            + (" expert-parallel" if first.settings.get("expert_parallel") else ""))
     return head + "\n" + _grid(_SWEEP_COLS, rows)
 
 
