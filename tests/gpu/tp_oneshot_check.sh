@@ -1,3 +1,7 @@
+#!/usr/bin/env bash
+# The one-shot all-reduce on two GPUs: tests/gpu/allreduce_bench.py (latency and bit-for-bit agreement with NCCL),
+# then Llama-2-13B (random fp16 weights) at TP=2, batch 1 (with a profile) and 32, then tests/gpu/test_gpu_tp.py.
+# Run from the repository root; JSON and logs go to $OUT.
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 timeout 150 torchrun --nproc-per-node 2 tests/gpu/allreduce_bench.py --json $OUT/allreduce.json > $OUT/bench.log 2>&1
 grep -E '^\{' $OUT/bench.log | python3 -c "
