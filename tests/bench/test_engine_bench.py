@@ -60,3 +60,12 @@ def test_both_formats_on_stdout_is_refused_before_loading(capsys, monkeypatch):
     monkeypatch.setattr("rooflm.bench.latency.measure_ceilings", lambda *a: pytest.fail("the benchmark started"))
     assert main(["bench", "latency", *COMMON, "--json", "-", "--csv", "-"]) == 2
     assert "--json - and --csv -" in capsys.readouterr().err
+
+
+def test_bench_throughput_runs_tensor_parallel_and_says_so(tmp_path):
+    # two CPU processes over gloo, random weights: the run completes and the JSON records the split
+    out = tmp_path / "throughput_tp2.json"
+    assert main(["bench", "throughput", *COMMON, "--num-prompts", "2", "-tp", "2", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["tensor_parallel_size"] == 2 and d["pipeline_parallel_size"] == 1
+    assert d["output_tok_s"] == pytest.approx(2 * 4 / d["elapsed_s"], rel=1e-6)

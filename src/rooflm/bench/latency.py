@@ -29,7 +29,7 @@ import sys
 import time
 
 from rooflm.bench.output import add_output_args, check_output_args, report_stream, write_outputs
-from rooflm.bench.preflight import add_yes_arg, note
+from rooflm.bench.preflight import add_parallel_args, add_yes_arg, note
 from rooflm.bench.reports import latency_lines, profile_lines  # noqa: F401 - profile_lines: part of this module's API
 
 
@@ -65,13 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", choices=["none", "hf", "llama.cpp"], default="none",
                    help="none; hf: also time transformers' generate on the same weights and prompts; llama.cpp: time "
                         "llama.cpp (llama-cpp-python, same threads) on the same .gguf file and prompts (batch 1)")
-    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
-                   help="split the model over this many GPUs (or CPU processes); CUDA graphs are off above 1")
-    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
-                   help="split the decoder layers into this many stages; with -tp, tp x pp GPUs (or CPU processes)")
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="mixture-of-experts models: each of the -tp ranks holds whole experts instead of a slice of "
-                        "every expert")
+    add_parallel_args(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and weights")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="also time the same prompts with this speculative_config (same model, same process) and "

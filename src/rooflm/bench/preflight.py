@@ -26,6 +26,18 @@ def add_yes_arg(p: argparse.ArgumentParser) -> None:
                    help=f"run even when the roofline predicts more than {LONG_RUN_S:.0f} s for the whole benchmark")
 
 
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """``-tp``, ``-pp`` and ``--enable-expert-parallel``, as the engine's options (``bench latency`` / ``throughput``)."""
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many GPUs (or CPU processes); decode CUDA graphs stay on where the "
+                        "small all-reduces run one-shot over peer memory (CUDA)")
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                   help="split the decoder layers into this many stages; with -tp, tp x pp GPUs (or CPU processes)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="mixture-of-experts models: each of the -tp ranks holds whole experts instead of a slice of "
+                        "every expert")
+
+
 def available_memory(device_type: str) -> int | None:
     """Bytes free for a new model: MemAvailable on the CPU (Linux), the free device memory on CUDA; None: unknown."""
     if device_type == "cuda":

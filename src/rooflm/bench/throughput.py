@@ -19,7 +19,7 @@ import sys
 import time
 
 from rooflm.bench.output import add_output_args, check_output_args, report_stream, write_outputs
-from rooflm.bench.preflight import add_yes_arg, note
+from rooflm.bench.preflight import add_parallel_args, add_yes_arg, note
 from rooflm.bench.reports import throughput_lines
 
 
@@ -41,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gib", type=float, default=None,
                    help="KV pool size (default: what --max-num-seqs requests need, plus 10%%)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    add_parallel_args(p)
     p.add_argument("--speculative-config", default=None, help="JSON, as the engine's speculative_config (default: off)")
     p.add_argument("--async-scheduling", default=None, choices=["on", "off"],
                    help="schedule step N+1 while step N runs (default: on for CUDA, off on the CPU)")
@@ -93,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
               enforce_eager=args.enforce_eager, async_scheduling=_async_flag(args),
               speculative_config=args.speculative_config,
               attention_backend=args.attention_backend, seed=args.seed,
-              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, show_progress=False)
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, show_progress=False,
+              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+              enable_expert_parallel=args.enable_expert_parallel)
     init_s = time.perf_counter() - t0
     engine = llm.engine
     cfg = engine.model_config
@@ -115,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model, "dtype": str(dtype).removeprefix("torch."), "num_prompts": N, "input_len": L_in,
         "output_len": L_out, "max_num_seqs": seqs, "ceilings": ceilings, "engine_init_s": init_s,
         "cuda_graphs": engine.runner.graph_runner is not None, "elapsed_s": elapsed,
+        "tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,
         "requests_per_s": N / elapsed, "output_tok_s": n_out / elapsed, "total_tok_s": (n_out + N * L_in) / elapsed,
     }
     if live:
@@ -133,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
                      "requests_per_s": len(sub) / total, "output_tok_s": hf_out / total}
         res["speedup_output_tok_s"] = res["output_tok_s"] / res["hf"]["output_tok_s"]
         del hf
+    llm.shutdown()  # tensor- or pipeline-parallel workers
     with report_stream(args):
         _print(res)
     write_outputs(args, res)
