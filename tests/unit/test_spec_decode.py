@@ -176,9 +176,9 @@ def test_scheduler_schedules_drafts_and_rolls_back_rejected_positions():
 def test_accepted_tokens_after_a_stop_are_dropped():
     s = Scheduler(SchedulerConfig(64, 8, 256), KVCacheManager(32, 4, True), eos_token_ids=[0])
     s.add_request(Request("a", [10, 11, 12], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[23])))
-    s.update_from_output(out := s.schedule(), ModelRunnerOutput(["a"], [[21]]))
+    s.update_from_output(s.schedule(), ModelRunnerOutput(["a"], [[21]]))
     s.requests["a"].spec_token_ids = [22, 23, 24]
-    outs = s.update_from_output(out := s.schedule(), ModelRunnerOutput(["a"], [[22, 23, 24, 25]]))
+    outs = s.update_from_output(s.schedule(), ModelRunnerOutput(["a"], [[22, 23, 24, 25]]))
     assert outs[0].new_token_ids == [22, 23] and outs[0].finish_reason == "stop" and outs[0].stop_reason == 23
     assert not s.has_unfinished() and s.kv.num_free_blocks == s.kv.num_blocks
 
