@@ -40,7 +40,19 @@ pp)
   ;;
 serve)
   python3 -m pip install -q --no-index --no-deps .gpu_assets/*.whl 2>&1 | tail -2
-  python3 -m rooflm.cli serve --model llama-2-70b --load-format dummy --dtype float16 -tp $N --port 8123 \
+  # Llama-2-70B's shape with the SmolLM2 tokenizer saved in .gpu_assets (a named config has no tokenizer, and the
+  # server takes text): the vocabulary grows to the tokenizer's 49152 entries, random weights
+  MODEL="$OUT/llama-2-70b-smoltok"
+  python3 - "$MODEL" <<'PY'
+import json, os, shutil, sys
+from rooflm.config import load_model_config
+folder = sys.argv[1]
+shutil.copytree(".gpu_assets/smollm2-tokenizer", folder, dirs_exist_ok=True)
+cfg = dict(load_model_config("llama-2-70b").hf_config, vocab_size=49152)
+with open(os.path.join(folder, "config.json"), "w") as f:
+    json.dump(cfg, f)
+PY
+  python3 -m rooflm.cli serve --model "$MODEL" --load-format dummy --dtype float16 -tp $N --port 8123 \
     > "$OUT/serve.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8123/health > /dev/null && break; sleep 2; done
