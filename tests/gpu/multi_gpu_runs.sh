@@ -52,7 +52,7 @@ cfg = dict(load_model_config("llama-2-70b").hf_config, vocab_size=49152)
 with open(os.path.join(folder, "config.json"), "w") as f:
     json.dump(cfg, f)
 PY
-  python3 -m rooflm.cli serve --model "$MODEL" --load-format dummy --dtype float16 -tp $N --port 8123 \
+  python3 -m rooflm.cli serve --model "$MODEL" --tokenizer "$MODEL" --load-format dummy --dtype float16 -tp $N --port 8123 \
     > "$OUT/serve.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8123/health > /dev/null && break; sleep 2; done
