@@ -165,9 +165,9 @@ class _RequestPreparation:
         # The engine computes prompt logprobs once, with the larger k; each field reports its own top-k.
         wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
         engine_prompt_k = max(wanted) if wanted else None
-        structured = self._structured_field(body)
+        structured, structured_param = self._output_constraint(body)
         if structured is not None and echo_only:
-            raise bad_request("structured_outputs is not supported with max_tokens=0", param="structured_outputs")
+            raise bad_request(f"{structured_param} is not supported with max_tokens=0", param=structured_param)
         raw = body.prompt
         items: list[str | list[int]]
         if isinstance(raw, str):
@@ -195,7 +195,7 @@ class _RequestPreparation:
         return _Prepared(prompts, texts, params, n, bool(body.stream),
                          bool(body.stream_options and body.stream_options.include_usage), body.logprobs,
                          echo=bool(body.echo), prompt_logprobs=body.prompt_logprobs, echo_only=echo_only,
-                         structured_param="structured_outputs" if structured else None)
+                         structured_param=structured_param if structured else None)
 
     def render_chat(self, messages: list[Any], add_generation_prompt: bool,
                     tools: list[dict[str, Any]] | None = None) -> list[int]:
@@ -239,9 +239,10 @@ class _RequestPreparation:
         except ValueError as e:
             raise bad_request(str(e), param="structured_outputs") from None
 
-    def _chat_constraints(self, body: ChatCompletionRequest):
-        """(constraint, the field that set it, tools to render, names of the functions to parse calls of)."""
-        structured, param = self._structured_field(body), "structured_outputs"
+    @classmethod
+    def _output_constraint(cls, body: SamplingRequest) -> tuple[StructuredOutputsParams | None, str]:
+        """(constraint, the field that set it) from ``structured_outputs`` or ``response_format`` (both endpoints)."""
+        structured, param = cls._structured_field(body), "structured_outputs"
         fmt = body.response_format
         if fmt is not None and fmt.type != "text":
             if structured is not None:
@@ -256,6 +257,11 @@ class _RequestPreparation:
                 structured = StructuredOutputsParams(json_object=True)
             else:
                 structured = StructuredOutputsParams(json=fmt.json_schema.schema_)
+        return structured, param
+
+    def _chat_constraints(self, body: ChatCompletionRequest):
+        """(constraint, the field that set it, tools to render, names of the functions to parse calls of)."""
+        structured, param = self._output_constraint(body)
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
         choice = body.tool_choice
         if choice is None:
