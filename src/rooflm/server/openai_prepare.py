@@ -6,6 +6,7 @@ and the per-prompt SamplingParams, gathered into a ``_Prepared`` ready for the e
 ``vocab_size`` and ``max_model_len`` from the instance."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -15,6 +16,7 @@ from rooflm.server.errors import OpenAIError, bad_request, from_value_error
 from rooflm.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from rooflm.structured import tools as tool_calls
 from rooflm.structured.params import StructuredOutputsParams
+from rooflm.structured.tool_parsers import ToolParser
 
 
 @dataclass
@@ -45,6 +47,7 @@ class _RequestPreparation:
     vocab_size: int
     max_model_len: int
     max_token_bytes: int | None  # the longest vocabulary entry in UTF-8 bytes (None: unknown)
+    tool_parser: ToolParser  # the format of tool calls in the model's output
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -220,7 +223,7 @@ class _RequestPreparation:
             if tools:
                 kw["tools"] = tools
         elif uses_tools:
-            plain = tool_calls.fallback_messages(plain, tools)
+            plain = tool_calls.fallback_messages(plain, tools, self.tool_parser)
         try:
             text = tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
         except Exception as e:  # jinja errors: the template refuses this conversation
@@ -284,7 +287,7 @@ class _RequestPreparation:
         if name is not None and name not in names:
             raise bad_request(f"tool_choice names function {name!r}, which is not among the tools",
                               param="tool_choice")
-        grammar = tool_calls.forced_call_grammar(tools, name)
+        grammar = self.tool_parser.forced_call_grammar(tools, name)
         return StructuredOutputsParams(grammar=grammar), "tools", tools, names
 
     def prepare_chat(self, body: ChatCompletionRequest) -> _Prepared:
@@ -303,6 +306,8 @@ class _RequestPreparation:
         max_tokens = self._max_tokens(len(ids), requested, None, "messages", param)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._sampling_params(body, n, max_tokens, logprobs, body.prompt_logprobs, structured)
+        if tool_names and self.tool_parser.keeps_special_tokens and "skip_special_tokens" not in body.model_fields_set:
+            params = dataclasses.replace(params, skip_special_tokens=False)  # the call markers are special tokens
         return _Prepared([ids], [""], [params], n, bool(body.stream),
                          bool(body.stream_options and body.stream_options.include_usage), logprobs,
                          prompt_param="messages", prompt_logprobs=body.prompt_logprobs,
