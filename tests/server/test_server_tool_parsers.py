@@ -4,7 +4,7 @@ and non-streamed calls agree, and calls in the history are written in Mistral's 
 from __future__ import annotations
 
 import json
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 import jsonschema
@@ -41,8 +41,8 @@ def test_mistral_format_end_to_end(mistral_server: ServerProcess):
         assert len(call.id) == 9 and call.id.isalnum()
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
-    kw = dict(model=model, messages=ASK, tools=TOOLS, temperature=0, max_tokens=CALL_TOKENS,
-              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    kw = {"model": model, "messages": ASK, "tools": TOOLS, "temperature": 0, "max_tokens": CALL_TOKENS,
+          "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     full = c.chat.completions.create(**kw).choices[0]
     streamed: dict[int, list[str]] = {}
     content, finish = "", None

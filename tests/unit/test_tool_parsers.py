@@ -9,8 +9,14 @@ import pytest
 
 from rooflm.structured.backend import grammar_text
 from rooflm.structured.params import StructuredOutputsParams
-from rooflm.structured.tool_parsers import (PARSERS, HermesParser, Llama3JsonParser, MistralParser,
-                                            detect_tool_parser, get_tool_parser)
+from rooflm.structured.tool_parsers import (
+    PARSERS,
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    detect_tool_parser,
+    get_tool_parser,
+)
 from rooflm.structured.tools import fallback_messages
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {

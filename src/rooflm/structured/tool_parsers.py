@@ -20,8 +20,18 @@ import re
 import uuid
 from typing import Any, ClassVar
 
-from rooflm.structured.tools import (CALL_OPEN, HERMES_INSTRUCTIONS, ToolCall, ToolCallStream, call_arguments,
-                                     call_schema, forced_call_grammar, hermes_calls, new_call_id, parse_tool_calls)
+from rooflm.structured.tools import (
+    CALL_OPEN,
+    HERMES_INSTRUCTIONS,
+    ToolCall,
+    ToolCallStream,
+    call_arguments,
+    call_schema,
+    forced_call_grammar,
+    hermes_calls,
+    new_call_id,
+    parse_tool_calls,
+)
 
 _DECODER = json.JSONDecoder()
 
@@ -110,8 +120,7 @@ class Llama3JsonParser(ToolParser):
 
     def parse(self, text: str, names: set[str] | frozenset[str]) -> tuple[str, list[ToolCall]]:
         body = text.strip()
-        if body.startswith(self.TAG):
-            body = body[len(self.TAG):]
+        body = body.removeprefix(self.TAG)
         if not body.lstrip().startswith("{"):
             return text, []
         objects = _objects(body, ";")
@@ -123,7 +132,7 @@ class Llama3JsonParser(ToolParser):
     def hold_from(self, text: str) -> int:
         start = len(text) - len(text.lstrip())
         rest = text[start:]
-        if not rest or rest.startswith("{") or rest.startswith(self.TAG) or self.TAG.startswith(rest):
+        if not rest or rest.startswith(("{", self.TAG)) or self.TAG.startswith(rest):
             return 0  # the whole message may be a call
         return len(text)
 
@@ -250,7 +259,7 @@ def detect_tool_parser(tokenizer: Any) -> str:
             return parser
     try:
         vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-    except Exception:
+    except Exception:  # noqa: BLE001 - a tokenizer without a usable vocabulary tells nothing
         vocab = {}
     for parser, token in (("mistral", "[TOOL_CALLS]"), ("llama3_json", "<|python_tag|>"), ("hermes", "<tool_call>")):
         if token in vocab:
