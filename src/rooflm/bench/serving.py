@@ -400,7 +400,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="SLOs for goodput, e.g. --goodput ttft:500 tpot:50 e2el:5000 (default: no goodput)")
     r.add_argument("--compare-with", default=None, metavar="RUN.json",
                    help="with --goodput ttft:MS: a JSON result of the same trace against a server without "
-                        "--ttft-slo-ms; reports how many requests rejected here missed the SLO there")
+                        "--ttft-slo-ms; reports how many requests rejected here missed the SLO there (default: none)")
     r.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles (default 99)")
     add_output_args(r)
     r.add_argument("--result-file", default=None, metavar="PATH",
