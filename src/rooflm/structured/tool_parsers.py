@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 from rooflm.structured.tools import (
@@ -64,7 +65,7 @@ def _objects(text: str, separators: str) -> list[Any] | None:
         values.append(value)
 
 
-class ToolParser:
+class ToolParser(ABC):
     """One call format. ``parse`` gives (content, calls) of a whole output; ``stream`` a streamer whose
     ``feed(text, finished)`` returns (content delta, new calls as OpenAI ``tool_calls`` deltas), the deltas adding
     up to what ``parse`` gives."""
@@ -73,21 +74,24 @@ class ToolParser:
     instructions: ClassVar[str]  # the fallback prompt's sentence on how to call
     keeps_special_tokens: ClassVar[bool] = False  # its markers are special tokens: keep them in the output text
 
+    @abstractmethod
     def parse(self, text: str, names: set[str] | frozenset[str]) -> tuple[str, list[ToolCall]]:
-        raise NotImplementedError
+        """(content, calls) of a whole output: calls to functions in ``names`` only."""
 
     def stream(self, names: set[str] | frozenset[str]) -> Any:
         return HeldCallStream(self, names)
 
+    @abstractmethod
     def hold_from(self, text: str) -> int:
         """Where a call may begin in ``text``, still growing: content streams up to there (``len(text)``: none)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def format_calls(self, calls: list[tuple[str, Any]]) -> str:
-        raise NotImplementedError
+        """An assistant message's calls, (name, arguments) each, written as the model writes them."""
 
+    @abstractmethod
     def forced_call_grammar(self, tools: list[dict[str, Any]], name: str | None = None) -> str:
-        raise NotImplementedError
+        """A grammar (llguidance's Lark) for exactly one call, to ``name`` or any of ``tools``, in this format."""
 
 
 class HermesParser(ToolParser):
