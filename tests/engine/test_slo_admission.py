@@ -84,3 +84,25 @@ def test_offline_generate_reports_rejected_requests(make_engine, mixed_prompts):
 def test_bad_slo_is_rejected():
     with pytest.raises(ValueError, match="ttft_slo_ms"):
         EngineConfig(ttft_slo_ms=0)
+
+
+def test_engine_predictor_uses_the_live_roofline(make_engine, mixed_prompts):
+    """The engine's own step-time predictor (the live roofline over the fraction reached so far) works before the
+    first step (no fraction yet) and after it (a measured fraction), and admits what fits a generous SLO."""
+    engine = make_engine(ttft_slo_ms=3_600_000, max_num_batched_tokens=32)
+    prompt = [t for p in mixed_prompts for t in p][:32]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    assert engine.roofline.fraction is None
+    first = engine.admission.predict(32, engine.scheduler.running, engine.scheduler.waiting)
+    assert first == engine.roofline.predict([32], [32], 1) > 0  # one step, at the roofline's time (fraction 1)
+    engine.add_request("a", prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    fraction = engine.roofline.fraction
+    assert fraction is not None and fraction > 0
+    after = engine.admission.predict(32, engine.scheduler.running, engine.scheduler.waiting)
+    assert after == pytest.approx(engine.roofline.predict([32], [32], 1) / fraction)
+    engine.add_request("b", prompt, params)  # admitted
+    assert engine.scheduler.num_waiting == 1
+    while engine.has_unfinished_requests():
+        engine.step()

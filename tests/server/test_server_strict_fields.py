@@ -25,8 +25,6 @@ def test_chat_only_and_completion_only_fields_are_400_on_the_other_endpoint(shar
         assert_error(c.post("/v1/chat/completions", json={**CHAT, "echo": True}), 400, "echo")
         assert_error(c.post("/v1/chat/completions", json={**CHAT, "suffix": "x"}), 400, "suffix")
         assert_error(c.post("/v1/completions", json={**COMPLETION, "messages": []}), 400, "messages")
-        assert_error(c.post("/v1/completions", json={**COMPLETION, "response_format": {"type": "text"}}),
-                     400, "response_format")
         bad_message = {"messages": [{"role": "assistant", "content": "x", "tool_calls": []}]}
         assert_error(c.post("/v1/chat/completions", json=bad_message), 400, "messages")
 
@@ -62,6 +60,14 @@ def test_malformed_structured_output_and_tool_fields_are_400_naming_them(shared_
             assert_error(c.post("/v1/chat/completions", json={**CHAT, **extra}), 400, param)
         assert_error(c.post("/v1/completions", json={**COMPLETION, "structured_outputs": {"regex": ""}}), 400,
                      "structured_outputs")
+        for extra, param in bad[:3]:  # response_format is validated the same way on completions
+            assert_error(c.post("/v1/completions", json={**COMPLETION, **extra}), 400, param)
+        assert_error(c.post("/v1/completions", json={**COMPLETION, "max_tokens": 0, "echo": True,
+                                                      "response_format": {"type": "json_object"}}),
+                     400, "response_format")
+        for ok in ({"response_format": {"type": "text"}}, {"response_format": {"type": "json_object"}}):
+            r = c.post("/v1/completions", json={**COMPLETION, **ok})
+            assert r.status_code == 200, (ok, r.text)
         for ok in ({"response_format": {"type": "text"}}, {"tool_choice": "none"}, {"tools": []},
                    {"parallel_tool_calls": False}, {"response_format": {"type": "json_object"}},
                    {"tools": [tool], "tool_choice": "none"}):

@@ -57,6 +57,30 @@ def test_response_format_json_schema_and_json_object(real_server: ServerProcess)
         assert r.choices[0].message.content.startswith("{")
 
 
+def test_response_format_on_completions(real_server: ServerProcess):
+    c = client(real_server)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    r = c.completions.create(model=_model(c), prompt="A person as JSON:", n=4, temperature=1.0, seed=6,
+                             max_tokens=48, extra_body={"response_format": fmt})
+    assert len(r.choices) == 4
+    for ch in r.choices:
+        assert ch.finish_reason == "stop", ch.text
+        jsonschema.validate(json.loads(ch.text), PERSON)
+    chunks = list(c.completions.create(model=_model(c), prompt="A person as JSON:", temperature=0, max_tokens=48,
+                                       stream=True, extra_body={"response_format": fmt}))
+    jsonschema.validate(json.loads("".join(ch.choices[0].text for ch in chunks if ch.choices)), PERSON)
+    r = c.completions.create(model=_model(c), prompt="Some JSON:", temperature=0, max_tokens=64,
+                             extra_body={"response_format": {"type": "json_object"}})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].text), dict)
+    else:  # cut by max_tokens: still the start of an object
+        assert r.choices[0].text.startswith("{")
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=_model(c), prompt="x", max_tokens=4, extra_body={"response_format": bad})
+    assert e.value.body["param"] == "response_format", e.value.body
+
+
 def test_structured_outputs_extension_on_both_endpoints(real_server: ServerProcess):
     c = client(real_server)
     model = _model(c)

@@ -14,7 +14,7 @@ Length distributions:
   log-normal) so that the mean *after* clipping is exactly the target mean (200 / 180 by default). The medians are
   then about 127 and 132 tokens: most requests are short, a few are long, like real chat traffic.
 - ``fixed``: every request has the same prompt and output length (``--input-len`` / ``--output-len``).
-- ``heavy-tailed`` and ``multi-client``: the scheduling workloads, described below.
+- ``heavy-tailed``, ``multi-client`` and ``priority``: the scheduling workloads, described below.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ class SampleRequest:
     prompt_len: int  # target length in tokens (the server's usage gives the exact count)
     output_len: int  # max_tokens to ask for
     user: str | None = None  # the client (sent as the OpenAI ``user`` field)
+    priority: int | None = None  # sent as the ``priority`` field (vLLM's extra: lower is served first)
 
 
 def load_text(path: str | None = None) -> str:
@@ -161,3 +162,21 @@ def multi_client(num_prompts: int, windows: TextWindows, seed: int = 0, num_ligh
     num_heavy = max(1, min(num_prompts - num_light, round(num_prompts * heavy_fraction)))
     users = [HEAVY_CLIENT] * num_heavy + [f"{LIGHT_CLIENT}-{i % num_light + 1}" for i in range(num_prompts - num_heavy)]
     return [SampleRequest(windows.prompt(rng, input_len), input_len, output_len, user=u) for u in users]
+
+
+# ``priority``: a stream of low-priority load with a few high-priority requests spread through it, the first after a
+# quarter of the stream (so they arrive at a loaded server); every request has the same lengths, so the high-priority
+# requests' TTFT under load compares directly with their TTFT alone.
+HIGH_PRIORITY, LOW_PRIORITY = 0, 1  # vLLM's convention: the lower value is served first
+
+
+def priority_mix(num_prompts: int, windows: TextWindows, seed: int = 0, num_high: int = 4, input_len: int = 64,
+                 output_len: int = 32) -> list[SampleRequest]:
+    first, span = num_prompts // 4, num_prompts - num_prompts // 4
+    if not 1 <= num_high <= span:
+        raise ValueError(f"priority: num_high={num_high} with num_prompts={num_prompts}: expected 1 <= num_high <= "
+                         f"{span} (the requests after the first quarter)")
+    rng = random.Random(seed)
+    high = {first + (k * span) // num_high for k in range(num_high)}
+    return [SampleRequest(windows.prompt(rng, input_len), input_len, output_len,
+                          priority=HIGH_PRIORITY if i in high else LOW_PRIORITY) for i in range(num_prompts)]

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from rooflm.bench import datasets
+from rooflm.bench import datasets, workloads
 from rooflm.bench.clients import format_clients, jct_stats, per_client_metrics
 from rooflm.bench.output import add_output_args, check_output_args, describe_error, report_stream, write_outputs
 
@@ -80,6 +80,8 @@ async def send_request(client: Any, url: str, headers: dict[str, str], model: st
         payload["ignore_eos"] = True
     if req.user is not None:
         payload["user"] = req.user
+    if req.priority is not None:
+        payload["priority"] = req.priority
     payload.update(extra_body)
 
     result = RequestResult(prompt_len=req.prompt_len, user=req.user)
@@ -310,26 +312,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         tpw = args.tokens_per_word or await _tokens_per_word(client, base_url, headers, model, text) \
             or datasets.DEFAULT_TOKENS_PER_WORD
         windows = datasets.TextWindows(text, tpw)
-        dataset_name = args.dataset_name
-        if dataset_name == "heavy-tailed":
-            requests = datasets.heavy_tailed(args.num_prompts, windows, seed=args.seed,
-                                             mean_input_len=args.mean_input_len, max_input_len=args.max_input_len,
-                                             alpha=args.pareto_alpha, max_output_len=args.max_output_len)
-        elif dataset_name == "multi-client":
-            requests = datasets.multi_client(args.num_prompts, windows, seed=args.seed,
-                                             num_light=args.num_light_clients, heavy_fraction=args.heavy_fraction,
-                                             input_len=args.input_len or 64, output_len=args.output_len or 64)
-        elif dataset_name == "fixed" or args.input_len is not None or args.output_len is not None:
-            dataset_name = "fixed"
-            requests = datasets.fixed_lengths(args.num_prompts, windows,
-                                              args.input_len or datasets.SHAREGPT_MEAN_INPUT,
-                                              args.output_len or datasets.SHAREGPT_MEAN_OUTPUT, seed=args.seed)
-        else:
-            dataset_name = "sharegpt-like"
-            requests = datasets.sharegpt_like(args.num_prompts, windows, seed=args.seed,
-                                              mean_input_len=args.mean_input_len,
-                                              mean_output_len=args.mean_output_len,
-                                              max_input_len=args.max_input_len, max_output_len=args.max_output_len)
+        dataset_name, requests = workloads.build_requests(args, windows)
 
         if not args.no_warmup:  # one short request: checks the endpoint and model before the clock starts
             probe = datasets.SampleRequest(requests[0].prompt, requests[0].prompt_len, min(4, requests[0].output_len))
@@ -337,6 +320,10 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             if not first.success:
                 raise RuntimeError(f"the initial test request to {url} failed: {first.error}")
 
+        idle = None  # the priority workload's high-priority requests, each sent alone to the idle server
+        if dataset_name == "priority" and not args.no_idle_baseline:
+            idle = [await send_request(client, url, headers, model, r, chat, args.ignore_eos, extra_body)
+                    for r in workloads.idle_requests(requests, windows, args.seed)]
         semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
         async def one(req: datasets.SampleRequest) -> RequestResult:
@@ -366,6 +353,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
     metrics = compute_metrics(results, duration, percentiles, goodput)
     metrics.update(jct_stats([r.latency for r in results if r.success]))
+    metrics.update(workloads.scheduling_metrics(args, results, requests, idle, goodput))
     by_client = per_client_metrics(results)
     if by_client:
         metrics["per_client"] = by_client
@@ -406,35 +394,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 more regular (default 1)")
     parser.add_argument("--max-concurrency", type=int, default=None,
                         help="requests in flight at most (default: no limit)")
-    g = parser.add_argument_group("workload")
-    g.add_argument("--dataset-path", default=None, help="a text file to draw prompts from (default: the shipped "
-                                                        "Pride and Prejudice excerpt)")
-    g.add_argument("--dataset-name", default=None, choices=("sharegpt-like", "fixed", "heavy-tailed", "multi-client"),
-                   help="the workload (default: fixed when --input-len/--output-len is given, else sharegpt-like)")
-    g.add_argument("--pareto-alpha", type=float, default=datasets.HEAVY_TAIL_ALPHA,
-                   help="heavy-tailed: the Pareto tail index of output lengths (default 1.1)")
-    g.add_argument("--num-light-clients", type=int, default=3, help="multi-client: light clients (default 3)")
-    g.add_argument("--heavy-fraction", type=float, default=0.6,
-                   help="multi-client: the heavy client's share of the requests (default 0.6)")
-    g.add_argument("--input-len", type=int, default=None,
-                   help="fixed prompt length in tokens (fixed dataset; default: none)")
-    g.add_argument("--output-len", type=int, default=None,
-                   help="fixed output length in tokens (fixed dataset; default: none)")
-    g.add_argument("--mean-input-len", type=float, default=datasets.SHAREGPT_MEAN_INPUT,
-                   help="sharegpt-like: mean prompt tokens after clipping (default 200)")
-    g.add_argument("--mean-output-len", type=float, default=datasets.SHAREGPT_MEAN_OUTPUT,
-                   help="sharegpt-like: mean output tokens after clipping (default 180)")
-    g.add_argument("--max-input-len", type=int, default=datasets.MAX_LEN, help="sharegpt-like: clip (default 1024)")
-    g.add_argument("--max-output-len", type=int, default=datasets.MAX_LEN, help="sharegpt-like: clip (default 1024)")
-    g.add_argument("--tokens-per-word", type=float, default=None,
-                   help="prompt sizing ratio (default: measured with the server's /tokenize, else 1.3)")
-    g.add_argument("--ignore-eos", action="store_true",
-                   help="send ignore_eos=true (a rooflm/vLLM extra) so outputs have exactly the asked length")
-    g.add_argument("--extra-body", default=None, help="JSON object merged into every request body (default: none)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrival times")
+    workloads.add_workload_arguments(parser.add_argument_group("workload"))
     r = parser.add_argument_group("report")
     r.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs for goodput, e.g. --goodput ttft:500 tpot:50 e2el:5000 (default: no goodput)")
+    r.add_argument("--compare-with", default=None, metavar="RUN.json",
+                   help="with --goodput ttft:MS: a JSON result of the same trace against a server without "
+                        "--ttft-slo-ms; reports how many requests rejected here missed the SLO there (default: none)")
     r.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles (default 99)")
     add_output_args(r)
     r.add_argument("--result-file", default=None, metavar="PATH",
@@ -464,7 +430,8 @@ def _validate(args: argparse.Namespace) -> None:
                 raise ValueError
         except ValueError:
             raise ValueError(f"--extra-body={args.extra_body!r} is invalid: expected a JSON object") from None
-    parse_goodput(args.goodput)
+    if "ttft" not in parse_goodput(args.goodput) and args.compare_with:
+        raise ValueError(f"--compare-with={args.compare_with!r} needs the SLO: add --goodput ttft:MS")
     try:
         [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     except ValueError:
@@ -490,6 +457,8 @@ def run(args: argparse.Namespace) -> int:
               f"p99 {result['p99_jct_ms']:.0f}")
         if "per_client" in result:
             print(format_clients(result["per_client"]))
+        if "priority" in result or "slo" in result:
+            print(workloads.format_scheduling(result))
     if result["failed"]:
         first_error = next(e for e in result["errors"] if e)
         print(f"{result['failed']} request(s) failed; first error: {first_error}", file=sys.stderr)

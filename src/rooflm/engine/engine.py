@@ -201,7 +201,7 @@ class LLMEngine:
             from rooflm.engine.admission import TTFTPredictor
 
             roofline = self.roofline
-            self.admission = TTFTPredictor(lambda q, c, r: roofline.predict(q, c, r) / (roofline.fraction() or 1.0),
+            self.admission = TTFTPredictor(lambda q, c, r: roofline.predict(q, c, r) / (roofline.fraction or 1.0),
                                            config.max_num_batched_tokens, config.max_num_seqs)
 
     def _structured_manager(self):

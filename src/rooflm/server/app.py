@@ -94,7 +94,8 @@ class APIKeyMiddleware:
 
 def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, served_model_name: str | None = None,
               shutdown_engine: bool = True, max_body_mb: float = DEFAULT_MAX_BODY_MB,
-              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, prep_workers: int = 2) -> FastAPI:
+              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, prep_workers: int = 2,
+              tool_call_parser: str | None = None) -> FastAPI:
     model_name = served_model_name or engine.model_name
     metrics = ServerMetrics(engine)
     max_body_bytes = int(max_body_mb * 2**20)
@@ -108,7 +109,7 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, served_mode
             await asyncio.to_thread(engine.shutdown, 0.0 if serving.stop_now else 10.0)
 
     app = FastAPI(title="rooflm", summary="OpenAI-compatible API of the rooflm engine", lifespan=lifespan)
-    serving = OpenAIServing(engine, model_name, metrics, prep_workers=prep_workers)
+    serving = OpenAIServing(engine, model_name, metrics, prep_workers=prep_workers, tool_call_parser=tool_call_parser)
 
     async def body_of(request: Request) -> bytes:
         try:

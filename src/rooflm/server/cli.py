@@ -32,6 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds a request body may stall between two pieces, else 408 (default: 30)")
     g.add_argument("--limit-concurrency", type=int, default=None,
                    help="most connections and requests at once; beyond, requests get 503 (default: no limit)")
+    g.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json", "mistral"),
+                   help="the format tool calls are written and read in: hermes (<tool_call> blocks), llama3_json "
+                        "(the message is {\"name\", \"parameters\"}) or mistral ([TOOL_CALLS] [...]) "
+                        "(default: the model's, from its chat template and vocabulary; hermes when they do not tell)")
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
 

@@ -143,7 +143,8 @@ def run_server(args: argparse.Namespace) -> int:
     else:
         engine = AsyncLLMEngine.from_config(config, max_waiting=max_waiting)
     app = build_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
-                    max_body_mb=args.max_request_body_mb, body_timeout_s=args.body_timeout)
+                    max_body_mb=args.max_request_body_mb, body_timeout_s=args.body_timeout,
+                    tool_call_parser=args.tool_call_parser)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"rooflm serve: {app.state.serving.model_name} (max_model_len={engine.max_model_len}) on "

@@ -6,6 +6,7 @@ and the per-prompt SamplingParams, gathered into a ``_Prepared`` ready for the e
 ``vocab_size`` and ``max_model_len`` from the instance."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -15,6 +16,7 @@ from rooflm.server.errors import OpenAIError, bad_request, from_value_error
 from rooflm.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from rooflm.structured import tools as tool_calls
 from rooflm.structured.params import StructuredOutputsParams
+from rooflm.structured.tool_parsers import ToolParser
 
 
 @dataclass
@@ -45,6 +47,7 @@ class _RequestPreparation:
     vocab_size: int
     max_model_len: int
     max_token_bytes: int | None  # the longest vocabulary entry in UTF-8 bytes (None: unknown)
+    tool_parser: ToolParser  # the format of tool calls in the model's output
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -165,9 +168,9 @@ class _RequestPreparation:
         # The engine computes prompt logprobs once, with the larger k; each field reports its own top-k.
         wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
         engine_prompt_k = max(wanted) if wanted else None
-        structured = self._structured_field(body)
+        structured, structured_param = self._output_constraint(body)
         if structured is not None and echo_only:
-            raise bad_request("structured_outputs is not supported with max_tokens=0", param="structured_outputs")
+            raise bad_request(f"{structured_param} is not supported with max_tokens=0", param=structured_param)
         raw = body.prompt
         items: list[str | list[int]]
         if isinstance(raw, str):
@@ -195,7 +198,7 @@ class _RequestPreparation:
         return _Prepared(prompts, texts, params, n, bool(body.stream),
                          bool(body.stream_options and body.stream_options.include_usage), body.logprobs,
                          echo=bool(body.echo), prompt_logprobs=body.prompt_logprobs, echo_only=echo_only,
-                         structured_param="structured_outputs" if structured else None)
+                         structured_param=structured_param if structured else None)
 
     def render_chat(self, messages: list[Any], add_generation_prompt: bool,
                     tools: list[dict[str, Any]] | None = None) -> list[int]:
@@ -220,7 +223,7 @@ class _RequestPreparation:
             if tools:
                 kw["tools"] = tools
         elif uses_tools:
-            plain = tool_calls.fallback_messages(plain, tools)
+            plain = tool_calls.fallback_messages(plain, tools, self.tool_parser)
         try:
             text = tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
         except Exception as e:  # jinja errors: the template refuses this conversation
@@ -239,9 +242,10 @@ class _RequestPreparation:
         except ValueError as e:
             raise bad_request(str(e), param="structured_outputs") from None
 
-    def _chat_constraints(self, body: ChatCompletionRequest):
-        """(constraint, the field that set it, tools to render, names of the functions to parse calls of)."""
-        structured, param = self._structured_field(body), "structured_outputs"
+    @classmethod
+    def _output_constraint(cls, body: SamplingRequest) -> tuple[StructuredOutputsParams | None, str]:
+        """(constraint, the field that set it) from ``structured_outputs`` or ``response_format`` (both endpoints)."""
+        structured, param = cls._structured_field(body), "structured_outputs"
         fmt = body.response_format
         if fmt is not None and fmt.type != "text":
             if structured is not None:
@@ -256,6 +260,11 @@ class _RequestPreparation:
                 structured = StructuredOutputsParams(json_object=True)
             else:
                 structured = StructuredOutputsParams(json=fmt.json_schema.schema_)
+        return structured, param
+
+    def _chat_constraints(self, body: ChatCompletionRequest):
+        """(constraint, the field that set it, tools to render, names of the functions to parse calls of)."""
+        structured, param = self._output_constraint(body)
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
         choice = body.tool_choice
         if choice is None:
@@ -278,7 +287,7 @@ class _RequestPreparation:
         if name is not None and name not in names:
             raise bad_request(f"tool_choice names function {name!r}, which is not among the tools",
                               param="tool_choice")
-        grammar = tool_calls.forced_call_grammar(tools, name)
+        grammar = self.tool_parser.forced_call_grammar(tools, name)
         return StructuredOutputsParams(grammar=grammar), "tools", tools, names
 
     def prepare_chat(self, body: ChatCompletionRequest) -> _Prepared:
@@ -297,6 +306,8 @@ class _RequestPreparation:
         max_tokens = self._max_tokens(len(ids), requested, None, "messages", param)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._sampling_params(body, n, max_tokens, logprobs, body.prompt_logprobs, structured)
+        if tool_names and self.tool_parser.keeps_special_tokens and "skip_special_tokens" not in body.model_fields_set:
+            params = dataclasses.replace(params, skip_special_tokens=False)  # the call markers are special tokens
         return _Prepared([ids], [""], [params], n, bool(body.stream),
                          bool(body.stream_options and body.stream_options.include_usage), logprobs,
                          prompt_param="messages", prompt_logprobs=body.prompt_logprobs,

@@ -11,7 +11,6 @@ from typing import Any, Sequence
 
 from rooflm.outputs import CompletionOutput, RequestOutput
 from rooflm.server.openai_prepare import _Prepared
-from rooflm.structured.tools import parse_tool_calls
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf: impossible tokens report this
 
@@ -33,6 +32,7 @@ def _top(d: dict[int, float], k: int) -> list[tuple[int, float]]:
 
 class _ResponseRendering:
     model_name: str
+    tool_parser: Any  # rooflm.structured.tool_parsers.ToolParser: reads calls out of the output
 
     def token_text(self, token_id: int) -> str:  # provided by OpenAIServing
         raise NotImplementedError
@@ -140,7 +140,7 @@ class _ResponseRendering:
             message: dict[str, Any] = {"role": "assistant", "content": o.text}
             finish_reason = o.finish_reason
             if prep.tool_names:
-                content, calls = parse_tool_calls(o.text, prep.tool_names)
+                content, calls = self.tool_parser.parse(o.text, prep.tool_names)
                 if calls:
                     message = {"role": "assistant", "content": content if content.strip() else None,
                                "tool_calls": [c.to_openai() for c in calls]}

@@ -46,7 +46,7 @@ from rooflm.server.openai_prepare import _Prepared, _RequestPreparation
 from rooflm.server.openai_render import _ResponseRendering
 from rooflm.server.openai_sse import _DONE, _AbortingStreamingResponse, _sse
 from rooflm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from rooflm.structured.tools import ToolCallStream
+from rooflm.structured.tool_parsers import detect_tool_parser, get_tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ class _StreamCut(Exception):
 
 
 class OpenAIServing(_RequestPreparation, _ResponseRendering):
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics, prep_workers: int = 2) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics, prep_workers: int = 2,
+                 tool_call_parser: str | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
@@ -70,6 +71,8 @@ class OpenAIServing(_RequestPreparation, _ResponseRendering):
                                                           thread_name_prefix="rooflm-prep")
         self.vocab_size = self._vocab_size()
         self.max_token_bytes = self._max_token_bytes()
+        # The format tool calls are written in: forced (--tool-call-parser) or the model's own (its template / vocab).
+        self.tool_parser = get_tool_parser(tool_call_parser or detect_tool_parser(self._engine_tokenizer))
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
         self._cut = asyncio.Event()
@@ -296,7 +299,7 @@ class OpenAIServing(_RequestPreparation, _ResponseRendering):
         offsets: dict[tuple[int, int], int] = {}  # completions' text_offset so far
         done: set[tuple[int, int]] = set()
         finals: list[RequestOutput | None] = [None] * len(streams)
-        tool_streams: dict[tuple[int, int], ToolCallStream] = {}  # chat with tools: content and calls per choice
+        tool_streams: dict[tuple[int, int], Any] = {}  # chat with tools: content and calls per choice
 
         def chunk(choice: dict[str, Any]) -> str:
             data: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": self.model_name,
@@ -327,7 +330,9 @@ class OpenAIServing(_RequestPreparation, _ResponseRendering):
                         delta = prep.prompt_texts[i] + delta
                     calls: list[dict[str, Any]] = []
                     if chat and prep.tool_names:
-                        ts = tool_streams.setdefault(key, ToolCallStream(prep.tool_names))
+                        if key not in tool_streams:
+                            tool_streams[key] = self.tool_parser.stream(prep.tool_names)
+                        ts = tool_streams[key]
                         delta, calls = ts.feed(o.text, o.finish_reason is not None)
                     if not delta and not calls and o.finish_reason is None:
                         continue  # held back (partial character or possible stop string): wait for more

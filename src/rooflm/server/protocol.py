@@ -57,6 +57,18 @@ class StructuredOutputsField(_Strict):
     grammar: Text | None = None
 
 
+class JsonSchemaFormat(_Strict):
+    name: Annotated[Text, StringConstraints(max_length=64)]
+    description: Text | None = None
+    schema_: dict[Text, Any] | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # the output always follows the schema
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -89,6 +101,7 @@ class SamplingRequest(_Strict):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     priority: int | None = Field(default=0, ge=-(2**31), lt=2**31)  # vLLM's extra: lower is served first
     structured_outputs: StructuredOutputsField | None = None  # vLLM's extra: constrained decoding
+    response_format: ResponseFormat | None = None  # OpenAI's (chat); on completions too, as vLLM accepts it
 
 
 class CompletionRequest(SamplingRequest):
@@ -159,25 +172,12 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
-class JsonSchemaFormat(_Strict):
-    name: Annotated[Text, StringConstraints(max_length=64)]
-    description: Text | None = None
-    schema_: dict[Text, Any] | None = Field(default=None, alias="schema")  # None: any JSON object
-    strict: bool | None = None  # the output always follows the schema
-
-
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool | None = True  # extra: vLLM's name
-    response_format: ResponseFormat | None = None
     tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # a forced call is always one call; "auto" parses all the model makes

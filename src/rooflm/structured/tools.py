@@ -20,7 +20,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from rooflm.structured.backend import JSON_DEFAULTS
 
@@ -37,41 +37,61 @@ def template_supports_tools(tokenizer: Any) -> bool:
     return isinstance(template, str) and re.search(r"\btools\b", template) is not None
 
 
-def fallback_tools_prompt(tools: list[dict[str, Any]]) -> str:
+HERMES_INSTRUCTIONS = ("To call a function, answer with a JSON object holding its name and arguments inside "
+                       f"<tool_call></tool_call> tags:\n{CALL_OPEN}\n"
+                       f'{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}\n{CALL_CLOSE}')
+
+
+class CallFormat(Protocol):
+    """How calls are written in a model's output (``rooflm.structured.tool_parsers`` has one per format)."""
+
+    instructions: str  # the fallback prompt's sentence on how to call
+
+    def format_calls(self, calls: list[tuple[str, Any]]) -> str: ...  # (name, arguments) → assistant text
+
+
+def fallback_tools_prompt(tools: list[dict[str, Any]], instructions: str = HERMES_INSTRUCTIONS) -> str:
     """The system-message section that describes ``tools`` to a model whose template has no tool support."""
     lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     return ("# Tools\n\nYou can call functions to help with the user's request. Their signatures, one JSON object "
-            f"per line, are inside <tools></tools>:\n<tools>\n{lines}\n</tools>\n\nTo call a function, answer with "
-            "a JSON object holding its name and arguments inside <tool_call></tool_call> tags:\n"
-            f'{CALL_OPEN}\n{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}\n{CALL_CLOSE}')
+            f"per line, are inside <tools></tools>:\n<tools>\n{lines}\n</tools>\n\n{instructions}")
 
 
-def _call_block(name: str, arguments: Any) -> str:
+def call_arguments(arguments: Any) -> Any:
+    """Arguments as an object where they are JSON text (OpenAI sends them as text), else unchanged."""
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            return json.loads(arguments)
         except ValueError:
             pass
-    return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CALL_CLOSE}"
+    return arguments
 
 
-def fallback_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+def hermes_calls(calls: list[tuple[str, Any]]) -> str:
+    """``<tool_call>`` blocks, one per (name, arguments), one a line."""
+    return "\n".join(f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': call_arguments(args)}, ensure_ascii=False)}"
+                     f"\n{CALL_CLOSE}" for name, args in calls)
+
+
+def fallback_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                      call_format: CallFormat | None = None) -> list[dict[str, Any]]:
     """Plain ``{"role", "content"}`` messages for a template without tool support: the tools' section joins the
-    system message (or opens the conversation as one), assistant calls become ``<tool_call>`` blocks and tool
-    results user turns inside ``<tool_response>``."""
+    system message (or opens the conversation as one), assistant calls are written in ``call_format`` (default:
+    ``<tool_call>`` blocks) and tool results become user turns inside ``<tool_response>``."""
     out: list[dict[str, Any]] = []
     for m in messages:
         content = m.get("content") or ""
         if m["role"] == "assistant" and m.get("tool_calls"):
-            blocks = [_call_block(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
-            content = "\n".join(([content] if content else []) + blocks)
+            pairs = [(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            calls = call_format.format_calls(pairs) if call_format is not None else hermes_calls(pairs)
+            content = "\n".join(([content] if content else []) + [calls])
             out.append({"role": "assistant", "content": content})
         elif m["role"] == "tool":
             out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
         else:
             out.append({"role": m["role"], "content": content})
     if tools:
-        section = fallback_tools_prompt(tools)
+        section = fallback_tools_prompt(tools, call_format.instructions if call_format else HERMES_INSTRUCTIONS)
         if out and out[0]["role"] in ("system", "developer"):
             out[0] = {"role": out[0]["role"], "content": f"{out[0]['content']}\n\n{section}".lstrip()}
         else:
@@ -99,21 +119,27 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def forced_call_grammar(tools: list[dict[str, Any]], name: str | None = None) -> str:
-    """A Lark grammar (llguidance's dialect, with an embedded JSON schema) for exactly one call block, to the
-    function ``name`` or, when None, to any of ``tools``; the arguments follow the function's parameters schema."""
+def call_schema(tools: list[dict[str, Any]], name: str | None = None, arguments_key: str = "arguments") -> dict:
+    """The JSON schema of one call object ``{"name": ..., arguments_key: {...}}`` to the function ``name`` or, when
+    None, to any of ``tools``; the arguments follow the function's parameters schema."""
     options = []
     for t in tools:
         f = t["function"]
         if name is not None and f["name"] != name:
             continue
         options.append({"type": "object", "properties": {"name": {"const": f["name"]},
-                                                          "arguments": f.get("parameters") or _NO_PARAMETERS},
-                        "required": ["name", "arguments"], "additionalProperties": False})
+                                                          arguments_key: f.get("parameters") or _NO_PARAMETERS},
+                        "required": ["name", arguments_key], "additionalProperties": False})
     if not options:
         raise ValueError(f"tool_choice names function {name!r}, which is not among the tools")
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    schema = {**schema, "x-guidance": JSON_DEFAULTS}
+    return {**schema, "x-guidance": JSON_DEFAULTS}
+
+
+def forced_call_grammar(tools: list[dict[str, Any]], name: str | None = None) -> str:
+    """A Lark grammar (llguidance's dialect, with an embedded JSON schema) for exactly one call block, to the
+    function ``name`` or, when None, to any of ``tools``; the arguments follow the function's parameters schema."""
+    schema = call_schema(tools, name)
     return (f"start: {json.dumps(CALL_OPEN + chr(10))} call {json.dumps(chr(10) + CALL_CLOSE)}\n"
             f"call: %json {json.dumps(schema)}\n")
 
