@@ -106,3 +106,12 @@ def test_engine_predictor_uses_the_live_roofline(make_engine, mixed_prompts):
     assert engine.scheduler.num_waiting == 1
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_prediction_adds_the_steps_already_launched():
+    p = TTFTPredictor(step_time, max_num_batched_tokens=8, max_num_seqs=4)
+    running = [_req("d", 5, max_tokens=10, computed=5), _req("e", 3, max_tokens=10, computed=3)]
+    base = p.predict(6, running, [])
+    # two steps in flight: each a decode step of the two running requests at their current contexts
+    assert p.predict(6, running, [], in_flight=2) == pytest.approx(base + 2 * step_time([1, 1], [5, 3], 2))
+    assert p.predict(6, [], [], in_flight=2) == p.predict(6, [], [])  # nothing running: nothing to wait for

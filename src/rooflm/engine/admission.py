@@ -14,7 +14,9 @@ prediction replays the scheduler's rule on the current queue, step by step, with
   (``rooflm.roofline.live``) divided by the fraction of it the engine has achieved so far (1 before the first step).
 
 The predicted TTFT is the sum of the step times up to and including the step that completes the new request's
-prompt. Prefix-cache hits are not foreseen (the estimate is high for a request whose prompt is cached) and the KV pool
+prompt, plus the steps already launched: the scheduler has accounted for those (their tokens count as computed), yet
+a new request can join only the step after them, so each counts as one decode step of the running batch (exact for a
+step that has just started, high by up to a step for one nearly done). Prefix-cache hits are not foreseen (the estimate is high for a request whose prompt is cached) and the KV pool
 is assumed large enough (a preemption would only add time).
 """
 from __future__ import annotations
@@ -71,11 +73,14 @@ class TTFTPredictor:
         return _Sim(max(1, req.num_tokens - req.num_computed_tokens), samples, req.num_computed_tokens)
 
     def predict(self, prompt_len: int, running: Iterable["Request"], waiting: Iterable["Request"],
-                deadline_s: float = float("inf")) -> float:
-        """Stops early (returning a value above ``deadline_s``) once the running sum passes the deadline."""
+                deadline_s: float = float("inf"), in_flight: int = 0) -> float:
+        """Stops early (returning a value above ``deadline_s``) once the running sum passes the deadline.
+        ``in_flight``: steps launched and not finished (see the module docstring)."""
         seats = [s for s in map(self._sim, running) if s.samples_left > 0]
         queue = [self._sim(r) for r in waiting] + [_Sim(prompt_len, 1, is_new=True)]
         total = 0.0
+        if in_flight and seats:
+            total = in_flight * self.step_time([1] * len(seats), [s.context for s in seats], len(seats))
         for _ in range(self.max_steps):
             budget = self.max_num_batched_tokens
             q_lens: list[int] = []
@@ -104,10 +109,12 @@ class TTFTPredictor:
             seats = [s for s in seats if s.samples_left > 0]
         return float("inf")
 
-    def check(self, request_id: str, prompt_len: int, scheduler: "Scheduler", slo_s: float) -> float:
+    def check(self, request_id: str, prompt_len: int, scheduler: "Scheduler", slo_s: float, in_flight: int = 0
+              ) -> float:
         """The predicted TTFT; raises ``SLORejectedError`` when it exceeds ``slo_s`` (with the time of the simulated
         steps up to the first one past the SLO: a lower bound of the prediction)."""
-        predicted = self.predict(prompt_len, scheduler.running, scheduler.waiting, deadline_s=slo_s)
+        predicted = self.predict(prompt_len, scheduler.running, scheduler.waiting, deadline_s=slo_s,
+                                 in_flight=in_flight)
         if predicted > slo_s:
             raise SLORejectedError(request_id, predicted, slo_s)
         return predicted

@@ -296,7 +296,7 @@ class LLMEngine:
             raise ValueError(f"kv_compression={params.kv_compression} is not supported with speculative_config method "
                              f"{self.spec_config.method!r} (the draft's cache follows uncompressed positions)")
         if self.admission is not None:  # SLORejectedError: nothing was queued
-            self.admission.check(request_id, n, self.scheduler, self.config.ttft_slo_ms / 1e3)
+            self.admission.check(request_id, n, self.scheduler, self.config.ttft_slo_ms / 1e3, len(self._in_flight))
         arrival = arrival_time or time.monotonic()
         child_params = [params.clone(n=1) if i == 0 else params.clone(n=1, prompt_logprobs=None)
                         for i in range(params.n)]
