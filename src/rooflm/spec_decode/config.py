@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model", "self")
+METHODS = ("ngram", "draft_model", "self", "medusa")
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,7 @@ class SpeculativeConfig:
     auto_disable: bool = True
     # draft_model: the draft's checkpoint (a path, a named config or None for the embedded default model); it must
     # share the target's vocabulary. Loaded with ``load_format`` and the engine's dtype and quantization.
+    # medusa: the folder of trained Medusa heads (``rooflm train-medusa``), required.
     model: str | None = None
     load_format: str = "auto"
     # self: the draft is the target's first ``num_draft_layers`` layers, its final norm and its LM head (Draft & Verify,
@@ -39,9 +40,12 @@ class SpeculativeConfig:
         if self.num_draft_layers is not None and self.method != "self":
             raise ValueError(f"speculative_config.num_draft_layers={self.num_draft_layers} is only for method 'self', "
                              f"not {self.method!r}")
-        if self.model is not None and self.method != "draft_model":
-            raise ValueError(f"speculative_config.model={self.model!r} is only for method 'draft_model', "
-                             f"not {self.method!r}")
+        if self.model is not None and self.method not in ("draft_model", "medusa"):
+            raise ValueError(f"speculative_config.model={self.model!r} is only for methods 'draft_model' and "
+                             f"'medusa', not {self.method!r}")
+        if self.method == "medusa" and self.model is None:
+            raise ValueError("speculative_config.model=None is invalid for method 'medusa': expected the folder of "
+                             "trained Medusa heads (rooflm train-medusa)")
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"speculative_config.model={self.model!r} is invalid: expected a path or a name")
         from rooflm.config import LOAD_FORMATS

@@ -273,6 +273,8 @@ class ModelRunner:
             for st in plain:
                 st.num_tokens += 1
             self.batch.record_sampled(rows, so.sampled_token_ids, penalty_rows, penalty_index)
+            if hasattr(self.drafter, "observe"):  # Medusa heads draft from the hidden state that sampled
+                self.drafter.observe(rows, hidden[torch.tensor(sample_idx, device=self.device)])
         spec_out = self._verify(spec, out, hidden, spec_idx) if spec else (None, None)
         drafts = self._draft(plain, spec, spec_out[1]) if self.drafter is not None else None
         return StepHandle(req_ids, [s.req_id for s in plain], so.sampled_token_ids if so else None,
@@ -314,6 +316,9 @@ class ModelRunner:
             s.pending_spec = d
         rows = torch.tensor([s.row for s in spec], device=self.device)
         self.batch.last_token.index_copy_(0, rows, tokens.gather(1, accepted.unsqueeze(1)).squeeze(1))
+        if hasattr(self.drafter, "observe"):  # Medusa: the hidden state of each request's last accepted position
+            firsts = torch.tensor(np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]]), device=self.device)
+            self.drafter.observe(rows, hidden[torch.tensor(spec_idx, device=self.device)[firsts + accepted]])
         return tokens, accepted
 
     def _spec_verified(self, req_ids: list[str], accepted: list[int]) -> None:

@@ -1,0 +1,99 @@
+"""Medusa heads (``method: "medusa"``) inside continuous batching are lossless: greedy tokens equal the plain path's on
+mixed batches (requests that cannot speculate beside ones that do) with preemption and chunked prefill; seeded
+sampling is reproducible; no KV block leaks (checked by the make_engine fixture); heads that do not fit the target
+are refused with the field named."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rooflm.sampling_params import SamplingParams
+from rooflm.spec_decode.medusa import CONFIG_NAME, MedusaHeads, model_identity, save_medusa_heads
+
+from engine_utils import run, tokens
+from test_spec_draft import _params, _summary
+
+
+def _heads(cfg, num_heads: int, scale: float, seed: int = 0) -> MedusaHeads:
+    heads = MedusaHeads(num_heads, cfg.hidden_size)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        heads.weight.copy_(torch.randn(heads.weight.shape, generator=g) * scale / cfg.hidden_size ** 0.5)
+        heads.bias.copy_(torch.randn(heads.bias.shape, generator=g) * scale)
+    return heads
+
+
+@pytest.fixture(scope="module")
+def heads_dir(smol, tmp_path_factory) -> str:
+    """Random heads for the default model: proposals that are sometimes right (an untrained head repeats the LM
+    head's own prediction) and often wrong; exactness must not depend on them."""
+    cfg = smol[1]
+    path = tmp_path_factory.mktemp("medusa")
+    save_medusa_heads(_heads(cfg, 4, 0.5), path, model_identity(cfg, "SmolLM2-135M"))
+    return str(path)
+
+
+def _spec(path: str, k: int = 3) -> dict:
+    return {"method": "medusa", "model": path, "num_speculative_tokens": k, "auto_disable": False}
+
+
+# Chunked prefill (20 tokens a step) and a pool small enough to preempt (Medusa drafts take no lookahead slots).
+SCHEDULE = dict(num_gpu_blocks_override=10, max_model_len=128, max_num_batched_tokens=20, max_num_seqs=4)
+
+
+def test_greedy_medusa_equals_plain_decoding(make_engine, mixed_prompts, heads_dir):
+    prompts = mixed_prompts[:8]
+    plain = make_engine(**SCHEDULE)
+    expected = _summary(run(plain, prompts, _params()))
+    spec = make_engine(speculative_config=_spec(heads_dir), **SCHEDULE)
+    assert _summary(run(spec, prompts, _params())) == expected
+    stats = spec.get_stats()
+    assert stats.spec_verifications > 0 and stats.spec_draft_tokens > 0, "nothing was speculated"
+    assert stats.spec_accepted_tokens > 0 and stats.num_steps < plain.get_stats().num_steps
+    assert stats.num_preemptions > 0 and plain.get_stats().num_preemptions > 0
+
+
+def test_seeded_sampling_with_medusa_is_reproducible(make_engine, mixed_prompts, heads_dir):
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=12, ignore_eos=True, n=2)
+    first = tokens(run(make_engine(speculative_config=_spec(heads_dir)), mixed_prompts[:3], params))
+    engine = make_engine(speculative_config=_spec(heads_dir))
+    again = run(engine, mixed_prompts[:3], params)
+    assert tokens(again) == first
+    assert all(len(c.token_ids) == 12 for o in again for c in o.outputs)
+    assert engine.get_stats().spec_verifications > 0
+
+
+def test_heads_that_do_not_fit_the_target_are_refused(make_engine, smol, tmp_path):
+    cfg = smol[1]
+    narrow = tmp_path / "narrow"
+    save_medusa_heads(MedusaHeads(2, 32), narrow, {"vocab_size": cfg.vocab_size, "hidden_size": 32})
+    with pytest.raises(ValueError, match="speculative_config.model=.*hidden_size=32"):
+        make_engine(speculative_config=_spec(str(narrow), 2))
+    other_vocab = tmp_path / "vocab"
+    save_medusa_heads(MedusaHeads(2, cfg.hidden_size), other_vocab, {"vocab_size": 1000})
+    with pytest.raises(ValueError, match="speculative_config.model=.*vocab_size=1000"):
+        make_engine(speculative_config=_spec(str(other_vocab), 2))
+    with pytest.raises(ValueError, match="num_speculative_tokens=3 is more than the 2 Medusa heads"):
+        make_engine(speculative_config=_spec(_two_heads(tmp_path, cfg), 3))
+    with pytest.raises(ValueError, match="speculative_config.model=.*not a Medusa heads folder"):
+        make_engine(speculative_config=_spec(str(tmp_path / "missing"), 2))
+    broken = tmp_path / "broken"
+    save_medusa_heads(MedusaHeads(2, cfg.hidden_size), broken, {"vocab_size": cfg.vocab_size})
+    (broken / CONFIG_NAME).write_text('{"num_heads": 3, "hidden_size": %d}' % cfg.hidden_size)
+    with pytest.raises(ValueError, match="weight of shape"):
+        make_engine(speculative_config=_spec(str(broken), 2))
+
+
+def _two_heads(tmp_path, cfg) -> str:
+    path = tmp_path / "two"
+    save_medusa_heads(MedusaHeads(2, cfg.hidden_size), path, model_identity(cfg, None))
+    return str(path)
+
+
+def test_medusa_needs_its_heads_folder():
+    from rooflm.spec_decode.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match="speculative_config.model=None is invalid for method 'medusa'"):
+        SpeculativeConfig(method="medusa")
+    with pytest.raises(ValueError, match="speculative_config.model='x' is only for methods"):
+        SpeculativeConfig(method="ngram", model="x")
