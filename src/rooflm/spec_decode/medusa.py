@@ -58,7 +58,7 @@ class MedusaHeads(nn.Module):
 def model_identity(cfg: ModelConfig, name: str | None) -> dict[str, Any]:
     """What the heads were trained on, saved beside them (checked for size, shown for the rest)."""
     return {"model": None if name is None else os.path.basename(str(name).rstrip("/")),
-            "architectures": list(getattr(cfg, "architectures", None) or []),
+            "architecture": getattr(cfg, "architecture", None),
             "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "num_hidden_layers": cfg.num_hidden_layers}
 
 
