@@ -33,24 +33,30 @@ def heads_dir(smol, tmp_path_factory) -> str:
     return str(path)
 
 
-def _spec(path: str, k: int = 3) -> dict:
-    return {"method": "medusa", "model": path, "num_speculative_tokens": k, "auto_disable": False}
+def _spec(path: str, k: int = 3, tree=None) -> dict:
+    return {"method": "medusa", "model": path, "num_speculative_tokens": k, "auto_disable": False, "tree": tree}
 
 
 # Chunked prefill (20 tokens a step) and a pool small enough to preempt (Medusa drafts take no lookahead slots).
 SCHEDULE = dict(num_gpu_blocks_override=10, max_model_len=128, max_num_batched_tokens=20, max_num_seqs=4)
 
 
-def test_greedy_medusa_equals_plain_decoding(make_engine, mixed_prompts, heads_dir):
+_plain: list = []
+
+
+@pytest.mark.parametrize("tree", [None, "default"], ids=["chain", "tree"])
+def test_greedy_medusa_equals_plain_decoding(make_engine, mixed_prompts, heads_dir, tree):
     prompts = mixed_prompts[:8]
-    plain = make_engine(**SCHEDULE)
-    expected = _summary(run(plain, prompts, _params()))
-    spec = make_engine(speculative_config=_spec(heads_dir), **SCHEDULE)
+    if not _plain:
+        plain = make_engine(**SCHEDULE)
+        _plain.extend([_summary(run(plain, prompts, _params())), plain.get_stats()])
+    expected, plain_stats = _plain
+    spec = make_engine(speculative_config=_spec(heads_dir, tree=tree), **SCHEDULE)
     assert _summary(run(spec, prompts, _params())) == expected
     stats = spec.get_stats()
     assert stats.spec_verifications > 0 and stats.spec_draft_tokens > 0, "nothing was speculated"
-    assert stats.spec_accepted_tokens > 0 and stats.num_steps < plain.get_stats().num_steps
-    assert stats.num_preemptions > 0 and plain.get_stats().num_preemptions > 0
+    assert stats.spec_accepted_tokens > 0 and stats.num_steps < plain_stats.num_steps
+    assert stats.num_preemptions > 0 and plain_stats.num_preemptions > 0
 
 
 def test_seeded_sampling_with_medusa_is_reproducible(make_engine, mixed_prompts, heads_dir):

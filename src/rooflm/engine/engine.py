@@ -233,6 +233,11 @@ class LLMEngine:
             self.runner.drafter = MedusaDrafter(self.spec_config, self.model, self.model_config, self.device,
                                                 self.dtype, self.max_model_len, self.config.block_size)
             self.proposer.draft_cost = self.runner.drafter.cost_fraction
+            if self.spec_config.tree is not None:  # the proposer hands over (and cuts) a tree's nodes
+                import dataclasses
+
+                self.proposer.config = dataclasses.replace(self.spec_config,
+                                                           num_speculative_tokens=self.runner.drafter.num_nodes)
             return
         drafter = Drafter(self.spec_config, self.model, self.model_config, self.runner.kv_caches, num_blocks,
                           self.config.block_size, self.device, self.dtype, self.max_model_len,

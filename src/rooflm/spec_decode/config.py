@@ -25,6 +25,10 @@ class SpeculativeConfig:
     # self: the draft is the target's first ``num_draft_layers`` layers, its final norm and its LM head (Draft & Verify,
     # Zhang et al. 2023; LayerSkip, Elhoushi et al. 2024). None: half the layers.
     num_draft_layers: int | None = None
+    # medusa: None proposes a chain (each head's top token); a token tree of candidate paths (lists of candidate
+    # ranks, e.g. [[0], [1], [0, 0]]) or "default" (Medusa's default tree, cut to 15 nodes) is verified in one
+    # forward pass with a tree attention mask (spec_decode/tree.py). Paths deeper than num_speculative_tokens are cut.
+    tree: Any = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -48,6 +52,11 @@ class SpeculativeConfig:
                              "trained Medusa heads (rooflm train-medusa)")
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"speculative_config.model={self.model!r} is invalid: expected a path or a name")
+        if self.tree is not None:
+            if self.method != "medusa":
+                raise ValueError(f"speculative_config.tree={self.tree!r} is only for method 'medusa', not "
+                                 f"{self.method!r}")
+            self.tree_shape()  # validates the paths
         from rooflm.config import LOAD_FORMATS
 
         if self.load_format not in LOAD_FORMATS:
@@ -56,6 +65,22 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min={self.prompt_lookup_min} is larger than "
                              f"prompt_lookup_max={self.prompt_lookup_max}")
+
+    def tree_shape(self):
+        """The token tree (``spec_decode.tree.TreeShape``) cut to num_speculative_tokens levels, or None (a chain)."""
+        if self.tree is None:
+            return None
+        from rooflm.spec_decode.tree import DEFAULT_TREE, TreeShape
+
+        if self.tree == "default":
+            choices = DEFAULT_TREE
+        elif isinstance(self.tree, (list, tuple)) and all(isinstance(p, (list, tuple)) for p in self.tree):
+            choices = self.tree
+        else:
+            raise ValueError(f"speculative_config.tree={self.tree!r} is invalid: expected \"default\" or a list of "
+                             "paths (lists of candidate ranks)")
+        shape = TreeShape.from_choices(choices).within_depth(self.num_speculative_tokens)
+        return shape
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":

@@ -130,6 +130,9 @@ class MedusaDrafter(Drafter):
         self.max_model_len = max_model_len
         self.enabled = True
         self.heads = heads
+        self.tree = spec.tree_shape()  # None: chain proposals
+        self.num_nodes = self.tree.num_nodes if self.tree is not None else self.k
+        self.trees: dict[str, tuple[list[int], tuple[int, ...]]] = {}  # req_id -> (tree tokens, parents)
         self.compute_logits = target.compute_logits
         self.kv_caches: list = []
         self.owns_cache = False
@@ -153,6 +156,11 @@ class MedusaDrafter(Drafter):
             self.hidden = grown
         self.hidden.index_copy_(0, rows, hidden.to(self.hidden.dtype))
 
+    def forget(self, req_ids) -> None:
+        for rid in req_ids:
+            self.pending.pop(rid, None)
+            self.trees.pop(rid, None)
+
     def budget(self, position: int, num_blocks: int, max_drafts: int | None = None) -> int:
         """Medusa drafts write no KV: only the model's length and the request's remaining tokens bound them."""
         k = self.k if max_drafts is None else min(self.k, max_drafts)
@@ -161,9 +169,12 @@ class MedusaDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, reqs: list[DraftRequest], last_token: torch.Tensor) -> dict[str, list[int]]:
         self.pending = {}
+        self.trees = {}
         reqs = [r for r in reqs if self.budget(r.position, len(r.block_ids), r.max_drafts) >= 1]
         if not reqs or not self.enabled:
             return {}
+        if self.tree is not None:
+            return self._propose_trees(reqs)
         limits = [self.budget(r.position, len(r.block_ids), r.max_drafts) for r in reqs]
         k = max(limits)
         rows = torch.tensor([r.row for r in reqs], device=self.device)
@@ -179,3 +190,58 @@ class MedusaDrafter(Drafter):
             result[r.req_id] = d
             self.pending[r.req_id] = (d, torch.stack(probs[i][:limits[i]]) if probs[i] else None)
         return result
+
+    # -- token trees ----------------------------------------------------------------------------------------------------
+    def _propose_trees(self, reqs: list[DraftRequest]) -> dict[str, list[int]]:
+        """Each request's tree: node (a, b, ...) of depth d holds head d's candidate of rank path[-1] (its top-k,
+        deterministic for greedy and random requests alike: the verifier needs no draft distribution). A tree is
+        cut to the request's remaining tokens (depth) and to the model's length (nodes, one KV slot each)."""
+        shape = self.tree
+        rows = torch.tensor([r.row for r in reqs], device=self.device)
+        h = self.heads(self.hidden.index_select(0, rows), shape.depth)  # [n, depth, H]
+        logits = self.compute_logits(h.reshape(-1, h.shape[-1])).view(len(reqs), shape.depth, -1)
+        top = logits.topk(shape.top_k(), dim=-1).indices.tolist()  # [n, depth, top_k]
+        result = {}
+        for r, cand in zip(reqs, top):
+            depth = shape.depth if r.max_drafts is None else min(shape.depth, r.max_drafts)
+            cut = shape.within_depth(depth)
+            cut = cut.prefix(min(cut.num_nodes, self.max_model_len - 1 - r.position))
+            if cut.num_nodes == 0:
+                continue
+            tokens = [cand[len(p) - 1][p[-1]] for p in cut.paths]
+            result[r.req_id] = tokens
+            self.trees[r.req_id] = (tokens, cut.parents)
+        return result
+
+    def tree_for(self, req_id: str, drafts: list[int]) -> tuple[int, ...] | None:
+        """The parents of the scheduled ``drafts`` when they are (a breadth-first prefix of) this request's tree."""
+        tree = self.trees.get(req_id)
+        if tree is None or tree[0][:len(drafts)] != drafts:
+            return None
+        return tree[1][:len(drafts)]
+
+    def verify_trees(self, logits: torch.Tensor, md, states: list, drafts: list[list[int]],
+                     parents: list[tuple[int, ...]], kv_caches: list,
+                     block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Verify each request's tree (``tree.verify_tree``: greedy, or SpecInfer's multi-candidate rejection
+        sampling) and move the accepted path's KV to consecutive slots. ``logits`` [S, V]: request after request,
+        the root's row then its nodes'. Returns (tokens [R, D + 1] padded with -1, accepted [R], the row of each
+        request's last accepted node within its own rows [R])."""
+        from rooflm.layers.sampler import target_probs
+        from rooflm.spec_decode.tree import compact_kv, verify_tree
+
+        greedy = [s.params.greedy or s.params.top_k == 1 for s in states]
+        probs = None if all(greedy) else target_probs(logits, md)
+        outs, accepted, last, start = [], [], [], 0
+        for s, d, par, g in zip(states, drafts, parents, greedy):
+            rows = slice(start, start + len(d) + 1)
+            start += len(d) + 1
+            path, toks = verify_tree(logits[rows] if g else probs[rows], d, par, g, s.generator)
+            root = s.num_computed_tokens - len(d) - 1 - s.num_dropped  # the root's cache index
+            compact_kv(kv_caches, s.block_ids, block_size, root, path)
+            outs.append(toks)
+            accepted.append(len(path))
+            last.append(path[-1] if path else 0)
+        width = max(len(t) for t in outs)
+        tokens = torch.tensor([t + [-1] * (width - len(t)) for t in outs], device=logits.device)
+        return tokens, torch.tensor(accepted, device=logits.device), torch.tensor(last, device=logits.device)

@@ -87,6 +87,14 @@ def attention_mask(parents: list[int] | tuple[int, ...], device: torch.device | 
     return mask.to(device)
 
 
+def tree_depths(parents: list[int] | tuple[int, ...], root_pos: int = 0) -> list[int]:
+    """The RoPE positions of the root and the nodes: ``root_pos`` + depth (a node's position is its path's)."""
+    pos = [root_pos]
+    for parent in parents:
+        pos.append(pos[parent] + 1)
+    return pos
+
+
 def tree_tokens(shape: TreeShape, candidates: list[list[int]]) -> list[int]:
     """The nodes' tokens: node (a, b, ...) of depth d is candidate path[-1] of head d (``candidates[d - 1]``)."""
     return [candidates[len(p) - 1][p[-1]] for p in shape.paths]
