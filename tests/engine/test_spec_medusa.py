@@ -103,3 +103,45 @@ def test_medusa_needs_its_heads_folder():
         SpeculativeConfig(method="medusa")
     with pytest.raises(ValueError, match="speculative_config.model='x' is only for methods"):
         SpeculativeConfig(method="ngram", model="x")
+
+
+def test_sampled_tokens_with_a_medusa_tree_follow_the_target(tmp_path):
+    """End to end at temperature 1, a 16-token vocabulary: the first two output tokens' joint distribution is the
+    target's p(t1) p(t2 | t1), computed directly from the model, although t2 comes out of SpecInfer's multi-candidate
+    tree verification against random heads' candidates (chi-square over the 256 pairs)."""
+    from rooflm.attention.metadata_utils import allocate_kv_caches, single_sequence_metadata
+    from rooflm.config import EngineConfig
+    from rooflm.engine.engine import LLMEngine
+    from rooflm.loader import load_model
+
+    from test_spec_draft import _small_llama
+    from unit.stat_checks import chi2_ok
+
+    target, cfg = load_model(_small_llama(tmp_path, "target", 2), load_format="dummy", dtype=torch.float32,
+                             device="cpu", show_progress=False)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(3.0)  # (tied to the embedding) peaked: a wrong acceptance rule would show
+    prompt = [3, 7, 1]
+
+    def probs(ids: list[int]) -> torch.Tensor:
+        caches = allocate_kv_caches(cfg.num_hidden_layers, 1, 16, cfg.num_key_value_heads, cfg.head_dim)
+        meta, pos = single_sequence_metadata(0, len(ids), 16)
+        with torch.inference_mode():
+            hidden = target(torch.tensor(ids), pos, caches, meta)
+            return torch.softmax(target.compute_logits(hidden[-1:]), dim=-1)[0]
+
+    p1 = probs(prompt)
+    joint = torch.stack([p1[a] * probs(prompt + [a]) for a in range(16)]).flatten()  # [256]
+    heads = tmp_path / "heads"
+    save_medusa_heads(_heads(cfg, 2, 1.0, seed=3), heads, model_identity(cfg, None))
+    spec = _spec(str(heads), 2, tree=[[0], [1], [2], [0, 0], [0, 1], [1, 0]])
+    engine = LLMEngine(EngineConfig(speculative_config=spec, kv_cache_memory=8 * 2**20, show_progress=False,
+                                    seed=1), model=target, model_config=cfg)
+    n = 3000
+    outputs = run(engine, [prompt] * n, [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i)
+                                         for i in range(n)])
+    pairs = torch.tensor([o.outputs[0].token_ids[0] * 16 + o.outputs[0].token_ids[1] for o in outputs])
+    assert chi2_ok(torch.bincount(pairs, minlength=256).float(), joint)
+    stats = engine.get_stats()
+    assert stats.spec_verifications >= n and stats.spec_accepted_tokens > 0
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
