@@ -184,7 +184,7 @@ class ModelRunner:
                 parents = self.drafter.tree_for(rid, spec) if spec and hasattr(self.drafter, "tree_for") else None
                 if parents is not None:  # a token tree: RoPE positions by depth, the tree's attention mask
                     rope_at[len(seq_lens)] = (len(positions) - n, tree_depths(parents, start))
-                    tree_masks[len(seq_lens)] = attention_mask(parents)
+                    tree_masks[len(seq_lens)] = attention_mask(parents, self.device)
             else:
                 input_ids += s.token_ids[start:end]
                 positions += range(start, end)
