@@ -120,7 +120,8 @@ def verify_tree(probs_or_logits: torch.Tensor, tokens: list[int], parents: list[
             out.append(tokens[node - 1])
     # Random: a fixed count of uniforms per step (one per node, one for the extra token), from the request's own
     # generator when seeded, so its tokens do not depend on the batch around it.
-    u = torch.rand(len(tokens) + 1, generator=generator, dtype=torch.float64).tolist()
+    device = generator.device if generator is not None else "cpu"
+    u = torch.rand(len(tokens) + 1, generator=generator, dtype=torch.float64, device=device).tolist()
     probs = probs_or_logits.double().cpu()
     draws = iter(u)
     while True:
