@@ -4,6 +4,8 @@ sampling is reproducible; no KV block leaks (checked by the make_engine fixture)
 are refused with the field named."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -85,7 +87,7 @@ def test_heads_that_do_not_fit_the_target_are_refused(make_engine, smol, tmp_pat
         make_engine(speculative_config=_spec(str(tmp_path / "missing"), 2))
     broken = tmp_path / "broken"
     save_medusa_heads(MedusaHeads(2, cfg.hidden_size), broken, {"vocab_size": cfg.vocab_size})
-    (broken / CONFIG_NAME).write_text('{"num_heads": 3, "hidden_size": %d}' % cfg.hidden_size)
+    (broken / CONFIG_NAME).write_text(json.dumps({"num_heads": 3, "hidden_size": cfg.hidden_size}))
     with pytest.raises(ValueError, match="weight of shape"):
         make_engine(speculative_config=_spec(str(broken), 2))
 
@@ -109,13 +111,13 @@ def test_sampled_tokens_with_a_medusa_tree_follow_the_target(tmp_path):
     """End to end at temperature 1, a 16-token vocabulary: the first two output tokens' joint distribution is the
     target's p(t1) p(t2 | t1), computed directly from the model, although t2 comes out of SpecInfer's multi-candidate
     tree verification against random heads' candidates (chi-square over the 256 pairs)."""
+    from test_spec_draft import _small_llama
+    from unit.stat_checks import chi2_ok
+
     from rooflm.attention.metadata_utils import allocate_kv_caches, single_sequence_metadata
     from rooflm.config import EngineConfig
     from rooflm.engine.engine import LLMEngine
     from rooflm.loader import load_model
-
-    from test_spec_draft import _small_llama
-    from unit.stat_checks import chi2_ok
 
     target, cfg = load_model(_small_llama(tmp_path, "target", 2), load_format="dummy", dtype=torch.float32,
                              device="cpu", show_progress=False)

@@ -42,7 +42,7 @@ def test_a_head_is_a_residual_silu_block_and_starts_as_the_identity():
 
 
 def test_heads_survive_a_save_and_load(tiny, tmp_path):
-    model, cfg = tiny
+    _, cfg = tiny
     heads = MedusaHeads(2, cfg.hidden_size)
     with torch.no_grad():
         heads.weight.normal_()
@@ -67,7 +67,7 @@ def test_training_lowers_the_loss_and_raises_held_out_accuracy(tiny):
     lines: list[str] = []
     for p in model.parameters():
         p.requires_grad_(False)
-    heads, summary = train_medusa(model, cfg, ids[:2000], ids[2000:], tc, log=lines.append)
+    _, summary = train_medusa(model, cfg, ids[:2000], ids[2000:], tc, log=lines.append)
     first, last = sum(summary["losses"][:4]) / 4, sum(summary["losses"][-4:]) / 4
     assert last < 0.8 * first
     before, after = summary["accuracy_before"], summary["accuracy_after"]

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from rooflm.spec_decode.tree import DEFAULT_TREE, TreeShape, attention_mask, tree_tokens, verify_tree
-
 from unit.stat_checks import chi2_ok
 
 CHOICES = [[1, 0], [0], [1], [0, 1], [0, 0]]  # any order in: breadth-first out

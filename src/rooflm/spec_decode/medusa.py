@@ -29,7 +29,7 @@ from torch.nn import functional as F
 
 from rooflm.config import ModelConfig
 from rooflm.spec_decode.config import SpeculativeConfig
-from rooflm.spec_decode.drafter import DraftRequest, Drafter, decode_weight_bytes, weight_bytes
+from rooflm.spec_decode.drafter import Drafter, DraftRequest, decode_weight_bytes, weight_bytes
 
 CONFIG_NAME = "medusa_config.json"
 WEIGHTS_NAME = "medusa_heads.safetensors"
