@@ -15,6 +15,7 @@ _COMMAND_MODULES = (
     "rooflm.server.cli",  # serve
     "rooflm.bench.cli",  # bench latency | throughput | serve
     "rooflm.quantization.cli",  # quantize
+    "rooflm.spec_decode.cli",  # train-medusa
 )
 
 

@@ -32,6 +32,9 @@ class AttentionMetadata:
     # Host copies (the reference path and the runner's bookkeeping read these without a device sync).
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Token-tree verification (spec_decode/tree.py): per sequence None (causal) or a [Q, Q] bool mask over its Q new
+    # tokens (True: may attend); the cached context before them is visible to all. None: every sequence causal.
+    tree_masks: list[torch.Tensor | None] | None = None
 
     @property
     def num_seqs(self) -> int:

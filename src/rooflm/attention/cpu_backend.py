@@ -101,7 +101,8 @@ class CpuAttention:
                 continue
             blocks = meta.block_tables[i, : (seq_len + block_size - 1) // block_size].long()
             kv = _gather(kv_cache, blocks, q.dtype).flatten(1, 2)[:, :seq_len]  # [2, L, Hkv, D]
-            out[s:e] = _prefill_one(q[s:e], kv[0], kv[1], scale, sliding_window)
+            tree = meta.tree_masks[i] if meta.tree_masks is not None else None
+            out[s:e] = _prefill_one(q[s:e], kv[0], kv[1], scale, sliding_window, tree)
         return out
 
 
@@ -144,13 +145,18 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
 
 
 def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 sliding_window: int | None) -> torch.Tensor:
-    """The last q_len positions of one sequence attend causally to its seq_len context. q [Q, H, D], k/v [L, Hkv, D]."""
+                 sliding_window: int | None, tree: torch.Tensor | None = None) -> torch.Tensor:
+    """The last q_len positions of one sequence attend causally to its seq_len context. q [Q, H, D], k/v [L, Hkv, D].
+    ``tree`` [Q, Q] bool: instead of causally, the new tokens see each other where it is True (a token tree)."""
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
     gqa = num_heads != num_kv_heads
-    if sliding_window is None and q_len == seq_len:
+    if tree is not None:
+        allowed = torch.cat([torch.ones(q_len, seq_len - q_len, dtype=torch.bool, device=q.device),
+                             tree.to(q.device)], dim=1)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+    elif sliding_window is None and q_len == seq_len:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]

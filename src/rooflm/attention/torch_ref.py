@@ -29,6 +29,7 @@ def attend(
     v: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     scale: float,
     sliding_window: int | None = None,
+    tree: torch.Tensor | None = None,  # [q_len, q_len] bool: which new tokens each new token sees (a token tree)
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
@@ -41,6 +42,8 @@ def attend(
     allowed = k_pos <= q_pos
     if sliding_window is not None:
         allowed &= k_pos > q_pos - sliding_window
+    if tree is not None:
+        allowed = torch.cat([allowed[:, :seq_len - q_len], tree.to(allowed.device)], dim=1)
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, vf).to(q.dtype)
@@ -98,7 +101,7 @@ class TorchRefAttention:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        if meta.is_decode_only and meta.num_seqs > 1:
+        if meta.is_decode_only and meta.num_seqs > 1 and meta.tree_masks is None:
             return attend_decode_batched(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window)
         out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
@@ -107,5 +110,6 @@ class TorchRefAttention:
             if e == s:
                 continue
             kc, vc = gather_context(kv_cache, meta.block_tables[i], seq_len)
-            out[s:e] = attend(q[s:e], kc, vc, scale, sliding_window)
+            tree = meta.tree_masks[i] if meta.tree_masks is not None else None
+            out[s:e] = attend(q[s:e], kc, vc, scale, sliding_window, tree)
         return out

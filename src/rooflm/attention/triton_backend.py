@@ -39,6 +39,10 @@ class TritonAttention:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
+        if meta.tree_masks is not None:  # token-tree verification: the reference path (no tree-masked kernel yet)
+            from rooflm.attention.torch_ref import TorchRefAttention
+
+            return TorchRefAttention().attend(q, kv_cache, meta, scale, sliding_window)
         out = torch.empty_like(q)
         if meta.is_decode_only and meta.num_tokens == meta.num_seqs:
             return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window,

@@ -10,7 +10,7 @@ Each mode runs the same prompts, ``--batch-size`` at a time, greedy with EOS ign
 Reported: output tokens/s of both modes and their ratio, whether the greedy tokens are identical (they must be),
 the acceptance rate and mean accepted length, and the speed-up the roofline predicts for that acceptance rate (a
 verify step of k + 1 tokens per request, plus a draft model's k steps, against a plain decode step, both at the
-prompts' mean context). Any ``method`` works: ``ngram``, ``draft_model`` and ``self``.
+prompts' mean context). Any ``method`` works: ``ngram``, ``draft_model``, ``self`` and ``medusa`` (chain or tree).
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", choices=["repeat", "continue"], default="repeat",
                    help="repeat: prompts that ask to copy a text (drafts match often); continue: free continuation")
     p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}',
-                   help="JSON, as the engine's speculative_config")
+                   help="JSON, as the engine's speculative_config; a JSON list of them runs each against one plain "
+                        "run")
     p.add_argument("--batch-size", type=int, default=1, help="requests run together")
     p.add_argument("--num-prompts", type=int, default=4, help="prompts in all")
     p.add_argument("--output-len", type=int, default=128, help="generated tokens per prompt")
@@ -86,15 +87,18 @@ def _run_mode(args: argparse.Namespace, prompts: list[list[int]], spec: str | No
         from rooflm.spec_decode.proposer import expected_tokens
 
         k = llm.engine.spec_config.num_speculative_tokens
+        n = llm.engine.proposer.config.num_speculative_tokens  # tokens verified per request: a Medusa tree's nodes
         ctx = int(sum(len(p) for p in prompts) / len(prompts) + args.output_len / 2)
         b = args.batch_size
         plain = llm.engine.roofline.predict([1] * b, [ctx] * b, b)
-        verify = llm.engine.roofline.predict([k + 1] * b, [ctx + k] * b, b * (k + 1))
+        verify = llm.engine.roofline.predict([n + 1] * b, [ctx + n] * b, b * (n + 1))
         # a draft model's k single-token steps: each about its share of the target's weight bytes of a decode step
         draft = llm.engine.proposer.draft_cost * k * plain
         res["roofline_verify_over_decode"] = verify / plain
         res["draft_over_decode"] = draft / plain
-        res["predicted_speedup"] = expected_tokens(k, res["acceptance_rate"]) * plain / (verify + draft)
+        # a chain's tokens per verification follow from the acceptance rate; a tree's are measured
+        per_verify = (res["mean_accepted_length"] if n != k else expected_tokens(k, res["acceptance_rate"]))
+        res["predicted_speedup"] = per_verify * plain / (verify + draft)
     return res
 
 
@@ -114,29 +118,49 @@ def run(args: argparse.Namespace) -> int:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
         return 0
+    configs = spec_configs(args.speculative_config)
     tokenizer = load_tokenizer(args.model)
     prompts = build_prompts(args.task, args.num_prompts, tokenizer)
     plain = _run_mode(args, prompts, None)
-    spec = _run_mode(args, prompts, args.speculative_config)
-    res = {"task": args.task, "batch_size": args.batch_size, "num_prompts": len(prompts),
-           "output_len": args.output_len, "speculative_config": json.loads(args.speculative_config),
-           "plain": {k: v for k, v in plain.items() if k != "tokens"},
-           "speculative": {k: v for k, v in spec.items() if k != "tokens"},
-           "speedup": spec["output_tok_s"] / plain["output_tok_s"], "identical_tokens": plain["tokens"] == spec["tokens"]}
+    runs = []
     print(f"rooflm bench spec: task={args.task} batch={args.batch_size} prompts={len(prompts)} "
-          f"output={args.output_len} {res['speculative_config']}")
+          f"output={args.output_len}")
     print(f"  plain        {tok_rate(plain['output_tok_s']):>14}  ({plain['steps']} steps)")
-    print(f"  speculative  {tok_rate(spec['output_tok_s']):>14}  ({spec['steps']} steps)   speed-up {res['speedup']:.2f}x"
-          f"   greedy tokens identical: {res['identical_tokens']}")
-    if spec["acceptance_rate"] is not None:
-        print(f"  acceptance {spec['acceptance_rate']:.1%}, mean accepted length {spec['mean_accepted_length']:.2f}; "
-              f"roofline: a verify step costs {spec['roofline_verify_over_decode']:.2f}x a decode step, drafting "
-              f"{spec['draft_over_decode']:.2f}x, predicted "
-              f"speed-up {spec['predicted_speedup']:.2f}x")
+    for config in configs:  # each against the same plain run
+        spec = _run_mode(args, prompts, config)
+        run_res = {"speculative_config": json.loads(config),
+                   "speculative": {k: v for k, v in spec.items() if k != "tokens"},
+                   "speedup": spec["output_tok_s"] / plain["output_tok_s"],
+                   "identical_tokens": plain["tokens"] == spec["tokens"]}
+        runs.append(run_res)
+        print(f"  speculative  {tok_rate(spec['output_tok_s']):>14}  ({spec['steps']} steps)   speed-up "
+              f"{run_res['speedup']:.2f}x   greedy tokens identical: {run_res['identical_tokens']}   {config}")
+        if spec["acceptance_rate"] is not None:
+            print(f"    acceptance {spec['acceptance_rate']:.1%}, mean accepted length "
+                  f"{spec['mean_accepted_length']:.2f}; roofline: a verify step costs "
+                  f"{spec['roofline_verify_over_decode']:.2f}x a decode step, drafting {spec['draft_over_decode']:.2f}x, "
+                  f"predicted speed-up {spec['predicted_speedup']:.2f}x")
+    res = {"task": args.task, "batch_size": args.batch_size, "num_prompts": len(prompts),
+           "output_len": args.output_len, "plain": {k: v for k, v in plain.items() if k != "tokens"}, **runs[0]}
+    if len(runs) > 1:
+        res["runs"] = runs
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
-    return 0 if res["identical_tokens"] else 1
+    return 0 if all(r["identical_tokens"] for r in runs) else 1
+
+
+def spec_configs(text: str) -> list[str]:
+    """``--speculative-config``: one JSON object, or a JSON list of them (each measured against one plain run)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config={text!r} is not valid JSON: {e.msg}") from None
+    items = value if isinstance(value, list) else [value]
+    if not items or not all(isinstance(x, dict) for x in items):
+        raise ValueError(f"--speculative-config={text!r} is invalid: expected a JSON object or a non-empty list of "
+                         "them")
+    return [json.dumps(x) for x in items]
 
 
 def verify_cost(model_name: str, load_format: str, dtype: str, batch_sizes: list[int], context: int,

@@ -227,6 +227,18 @@ class LLMEngine:
     def _make_drafter(self, num_blocks: int) -> None:
         from rooflm.spec_decode.drafter import Drafter
 
+        if self.spec_config.method == "medusa":  # heads on the target's hidden states; they write no KV
+            from rooflm.spec_decode.medusa import MedusaDrafter
+
+            self.runner.drafter = MedusaDrafter(self.spec_config, self.model, self.model_config, self.device,
+                                                self.dtype, self.max_model_len, self.config.block_size)
+            self.proposer.draft_cost = self.runner.drafter.cost_fraction
+            if self.spec_config.tree is not None:  # the proposer hands over (and cuts) a tree's nodes
+                import dataclasses
+
+                self.proposer.config = dataclasses.replace(self.spec_config,
+                                                           num_speculative_tokens=self.runner.drafter.num_nodes)
+            return
         drafter = Drafter(self.spec_config, self.model, self.model_config, self.runner.kv_caches, num_blocks,
                           self.config.block_size, self.device, self.dtype, self.max_model_len,
                           self.config.kv_cache_dtype, self._draft)

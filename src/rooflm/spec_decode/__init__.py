@@ -8,4 +8,8 @@ as much as one: every accepted token is nearly free.
 - ``ngram.NgramProposer``: prompt lookup (Saxena 2023): continue the longest n-gram of the recent text that already
   occurred earlier in the prompt or output.
 - ``rejection.verify``: greedy verification and rejection sampling, exact for the target's distribution.
+- ``medusa``: Medusa heads on the target's last hidden state (Cai et al. 2024), chain or token-tree proposals;
+  ``medusa_train``: training them on a frozen model (``rooflm train-medusa``).
+- ``tree``: token trees verified in one forward pass (SpecInfer, Miao et al. 2024): shapes, the tree attention mask,
+  multi-candidate verification and KV compaction.
 """

@@ -24,6 +24,7 @@ from rooflm.config import ModelConfig
 from rooflm.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from rooflm.engine.stop_checker import banned_token_ids
 from rooflm.layers.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs, logprobs_to_dicts
+from rooflm.spec_decode.tree import attention_mask, tree_depths
 from rooflm.worker.input_batch import CachedRequestState, InputBatch
 
 
@@ -165,6 +166,8 @@ class ModelRunner:
         dev_rows: list[int] = []
         sample_idx: list[int] = []  # flat index of the last token of each sampling request without draft tokens
         spec_idx: list[int] = []  # flat indices of every position of the requests verifying draft tokens
+        rope_at: dict[int, tuple[int, list[int]]] = {}  # token trees: sequence -> (first flat index, RoPE positions)
+        tree_masks: dict[int, torch.Tensor] = {}
         for rid, n in out.num_scheduled_tokens.items():
             s = reqs[rid]
             start, end = s.num_computed_tokens, s.num_computed_tokens + n
@@ -178,6 +181,10 @@ class ModelRunner:
                 input_ids.append(0)
                 input_ids += spec
                 positions += range(start, end)
+                parents = self.drafter.tree_for(rid, spec) if spec and hasattr(self.drafter, "tree_for") else None
+                if parents is not None:  # a token tree: RoPE positions by depth, the tree's attention mask
+                    rope_at[len(seq_lens)] = (len(positions) - n, tree_depths(parents, start))
+                    tree_masks[len(seq_lens)] = attention_mask(parents, self.device)
             else:
                 input_ids += s.token_ids[start:end]
                 positions += range(start, end)
@@ -202,8 +209,13 @@ class ModelRunner:
         slots = table[seq_of_tok, pos // bs] * bs + pos % bs
         # One host buffer, one host-to-device copy (pinned on CUDA, so it does not stall the host):
         # [input_ids | positions | slot_mapping | query_start_loc | seq_lens | dev_idx | dev_rows | rows | table]
+        rope = positions
+        if rope_at:  # slots stay consecutive (``positions``); the rotary embedding takes each node's depth
+            rope = list(positions)
+            for first, depth_pos in rope_at.values():
+                rope[first:first + len(depth_pos)] = depth_pos
         host = torch.from_numpy(np.concatenate([
-            np.asarray(input_ids + positions, dtype=np.int64), slots,
+            np.asarray(input_ids + rope, dtype=np.int64), slots,
             np.asarray(starts + seq_lens + dev_idx + dev_rows + rows, dtype=np.int64), table.ravel()]))
         if self._pin:
             host = host.pin_memory()
@@ -221,6 +233,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
+            tree_masks=[tree_masks.get(i) for i in range(n_seq)] if tree_masks else None,
         )
         return states, ids, pos_t, meta, sample_idx, spec_idx, rows_t
 
@@ -273,6 +286,8 @@ class ModelRunner:
             for st in plain:
                 st.num_tokens += 1
             self.batch.record_sampled(rows, so.sampled_token_ids, penalty_rows, penalty_index)
+            if hasattr(self.drafter, "observe"):  # Medusa heads draft from the hidden state that sampled
+                self.drafter.observe(rows, hidden[torch.tensor(sample_idx, device=self.device)])
         spec_out = self._verify(spec, out, hidden, spec_idx) if spec else (None, None)
         drafts = self._draft(plain, spec, spec_out[1]) if self.drafter is not None else None
         return StepHandle(req_ids, [s.req_id for s in plain], so.sampled_token_ids if so else None,
@@ -309,11 +324,22 @@ class ModelRunner:
         greedy = [s.params.greedy or s.params.top_k == 1 for s in spec]
         q = ([self.drafter.draft_probs(s.req_id, d) for s, d in zip(spec, drafts)] if self.drafter is not None
              else None)
-        tokens, accepted = verify(logits, drafts, md, greedy, [s.generator for s in spec], q)
+        trees = [self.drafter.tree_for(s.req_id, d) for s, d in zip(spec, drafts)] if hasattr(
+            self.drafter, "tree_for") else []
+        if any(t is not None for t in trees):  # token trees (spec_decode/tree.py); a chain is a tree too
+            trees = [t if t is not None else tuple(range(len(d))) for t, d in zip(trees, drafts)]
+            tokens, accepted, last = self.drafter.verify_trees(logits, md, spec, drafts, trees, self.kv_caches,
+                                                               self.block_size)
+        else:
+            tokens, accepted = verify(logits, drafts, md, greedy, [s.generator for s in spec], q)
+            last = accepted
         for s, d in zip(spec, drafts):
             s.pending_spec = d
         rows = torch.tensor([s.row for s in spec], device=self.device)
         self.batch.last_token.index_copy_(0, rows, tokens.gather(1, accepted.unsqueeze(1)).squeeze(1))
+        if hasattr(self.drafter, "observe"):  # Medusa: the hidden state of each request's last accepted position
+            firsts = torch.tensor(np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]]), device=self.device)
+            self.drafter.observe(rows, hidden[torch.tensor(spec_idx, device=self.device)[firsts + last]])
         return tokens, accepted
 
     def _spec_verified(self, req_ids: list[str], accepted: list[int]) -> None:

@@ -1,0 +1,61 @@
+"""Where a Medusa step's time goes on this machine: interleaved timings on one loaded model (the embedded default)
+of a decode step, verify steps of n tokens and of the default token tree (forward pass + LM head on every row, 250
+tokens of context), and a Medusa draft (the heads + the LM head on their k rows); medians of 6 runs, so load that
+drifts during the run hits every kind of step alike.
+
+    PYTHONPATH=src python scripts/medusa_step_costs.py HEADS_DIR
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from rooflm.attention.metadata_utils import allocate_kv_caches, build_attention_metadata
+from rooflm.loader import load_model
+from rooflm.spec_decode.medusa import load_medusa_heads
+from rooflm.spec_decode.tree import DEFAULT_TREE, TreeShape, attention_mask
+
+CONTEXT = 250
+
+
+def main(heads_dir: str) -> None:
+    model, cfg = load_model(None, dtype=torch.float32, device="cpu", show_progress=False)
+    heads, _ = load_medusa_heads(heads_dir, cfg)
+    caches = allocate_kv_caches(cfg.num_hidden_layers, 32, 16, cfg.num_key_value_heads, cfg.head_dim)
+    blocks = list(range(32))
+    with torch.inference_mode():
+        meta, pos = build_attention_metadata([blocks], [0], [CONTEXT], 16, "cpu")
+        model(torch.randint(0, 1000, (CONTEXT,)), pos, caches, meta)
+
+    def forward(n: int, tree: TreeShape | None = None):
+        meta, pos = build_attention_metadata([blocks], [CONTEXT], [n], 16, "cpu")
+        if tree is not None:
+            meta.tree_masks = [attention_mask(tree.parents)]
+        ids = torch.randint(0, 1000, (n,))
+        return lambda: model.compute_logits(model(ids, pos, caches, meta))
+
+    def draft(k: int):
+        h = torch.randn(1, cfg.hidden_size)
+        return lambda: model.compute_logits(heads(h, k).reshape(-1, cfg.hidden_size))
+
+    tree = TreeShape.from_choices(DEFAULT_TREE)
+    cases = {"decode": forward(1), "verify2": forward(2), "verify4": forward(4), "verify5": forward(5),
+             f"tree{tree.num_nodes + 1}": forward(tree.num_nodes + 1, tree), "draft1": draft(1), "draft3": draft(3),
+             "draft4": draft(4)}
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    with torch.inference_mode():
+        for _ in range(7):
+            for name, step in cases.items():
+                t0 = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - t0)
+    medians = {k: statistics.median(v[1:]) for k, v in times.items()}  # the first round warms up
+    for name, t in medians.items():
+        print(f"{name:8s} {t * 1e3:8.1f} ms  {t / medians['decode']:.2f}x a decode step")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

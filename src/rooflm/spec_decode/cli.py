@@ -1,0 +1,85 @@
+"""``rooflm train-medusa``: train Medusa-1 heads on a frozen model and save them for
+``speculative_config={"method": "medusa", "model": DIR}`` (see ``rooflm.spec_decode.medusa_train``)."""
+from __future__ import annotations
+
+import argparse
+
+
+def _positive(flag: str, kind=int):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r} is not a {kind.__name__}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r} must be positive")
+        return v
+
+    return parse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-medusa", help="train Medusa decoding heads on a frozen model (speculative decoding)",
+                       description="Train Medusa-1 heads (Cai et al. 2024) on a frozen model: head i learns token "
+                                   "t + i + 1 from the model's last hidden state at t, through the model's own LM "
+                                   "head. Prints the loss every --log-every steps and each head's top-1 accuracy on "
+                                   "held-out text, and writes the heads to --out.")
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct (GGUF)")
+    p.add_argument("--load-format", default="auto", help="auto, safetensors, gguf, dummy (random weights)")
+    p.add_argument("--quantization", default=None,
+                   help="none | w8a16 | w4a16 | gguf | ... (default: what the checkpoint holds, as when serving)")
+    p.add_argument("--data", default=None, metavar="TEXT",
+                   help="training text file (default: the shipped excerpt of Austen's Emma)")
+    p.add_argument("--eval-data", default=None, metavar="TEXT",
+                   help="held-out text file for the accuracy report (default: the shipped Pride and Prejudice "
+                        "excerpt, which `rooflm bench spec --task continue` prompts with)")
+    p.add_argument("--heads", type=_positive("--heads"), default=4, help="number of heads (k at most)")
+    p.add_argument("--steps", type=_positive("--steps"), default=200, help="optimizer steps")
+    p.add_argument("--lr", type=_positive("--lr", float), default=2e-3, help="AdamW learning rate (peak)")
+    p.add_argument("--seq-len", type=_positive("--seq-len"), default=256, help="tokens per training window")
+    p.add_argument("--batch-size", type=_positive("--batch-size"), default=2, help="windows per step")
+    p.add_argument("--max-train-tokens", type=_positive("--max-train-tokens"), default=16384,
+                   help="distinct training tokens (the frozen model runs over each once; epochs reuse them)")
+    p.add_argument("--eval-tokens", type=_positive("--eval-tokens"), default=1024, help="held-out tokens")
+    p.add_argument("--log-every", type=_positive("--log-every"), default=20, help="steps between loss lines")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data order")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder to write the heads to")
+    p.set_defaults(func=_train)
+
+
+def _read(path: str | None, shipped: str) -> str:
+    if path is None:
+        from importlib import resources
+
+        return (resources.files("rooflm") / "bench" / "data" / shipped).read_text()
+    with open(path) as f:
+        return f.read()
+
+
+def _train(args: argparse.Namespace) -> int:
+    import torch
+
+    from rooflm.loader import load_model
+    from rooflm.spec_decode.medusa import model_identity, save_medusa_heads
+    from rooflm.spec_decode.medusa_train import MedusaTrainConfig, train_medusa
+    from rooflm.tokenizer import load_tokenizer
+
+    tc = MedusaTrainConfig(num_heads=args.heads, steps=args.steps, lr=args.lr, seq_len=args.seq_len,
+                           batch_size=args.batch_size, max_train_tokens=args.max_train_tokens,
+                           eval_tokens=args.eval_tokens, log_every=args.log_every, seed=args.seed)
+    train_text = _read(args.data, "austen_emma.txt")
+    eval_text = _read(args.eval_data, "austen_pride_and_prejudice.txt")
+    model, cfg = load_model(args.model, load_format=args.load_format, dtype=torch.float32, device="cpu",
+                            show_progress=False, quantization=args.quantization)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    tok = load_tokenizer(args.model)
+    train_ids = list(tok(train_text)["input_ids"])
+    eval_ids = list(tok(eval_text)["input_ids"])
+    print(f"training {tc.num_heads} heads on {min(len(train_ids), tc.max_train_tokens)} of {len(train_ids)} tokens "
+          f"({tc.steps} steps of {tc.batch_size} x {tc.seq_len}); held out: {min(len(eval_ids), tc.eval_tokens)} "
+          "tokens", flush=True)
+    heads, summary = train_medusa(model, cfg, train_ids, eval_ids, tc, log=lambda s: print(s, flush=True))
+    save_medusa_heads(heads, args.out, model_identity(cfg, args.model or "SmolLM2-135M-Instruct"))
+    print(f"wrote {args.out} ({summary['seconds']:.0f} s)")
+    return 0
