@@ -170,6 +170,9 @@ class LLMEngine:
         from rooflm.worker.swap_space import setup_swap
 
         setup_swap(self, per_block)
+        from rooflm.worker.kv_offload import setup_kv_offload
+
+        setup_kv_offload(self, per_block)
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         from rooflm.spec_decode.proposer import SpeculativeProposer
@@ -397,5 +400,7 @@ class LLMEngine:
         s.spec_draft_tokens = self.scheduler.num_draft_tokens
         s.spec_accepted_tokens = self.scheduler.num_accepted_tokens
         s.spec_verifications = self.scheduler.num_verifications
+        if self.scheduler.host_tier is not None:
+            s.fill_host_tier(self.scheduler.host_tier)
         self.roofline.fill_stats(s)
         return s

@@ -64,6 +64,11 @@ class SchedulerOutput:
     # KV compression (rooflm.kv_cache.compression): req_id -> (first table index, number of blocks) dropped this
     # step, before its new blocks are appended.
     kv_dropped: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # The prefix cache's host tier (rooflm.kv_cache.host_tier): evicted cached blocks copied out (device block, host
+    # block) before this step may reuse them, and host hits copied back (host block, device block) before it reads
+    # them; offloads first, restores after the swap copies.
+    kv_offload_out: list[tuple[int, int]] = field(default_factory=list)
+    kv_offload_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -34,6 +34,7 @@ from rooflm.engine.sched_output import (CachedRequestData, EngineCoreOutput, Mod
 from rooflm.engine.stop_checker import FINISH_LENGTH, check_stop
 from rooflm.kv_cache import KVCacheManager
 from rooflm.kv_cache.compression import KVCompressionConfig, plan_drop
+from rooflm.kv_cache.host_tier import HostPrefixTier
 from rooflm.kv_cache.swap import SwapManager
 
 FINISH_ABORT = "abort"
@@ -68,6 +69,8 @@ class Scheduler:
         # Engine-wide KV compression (a request's SamplingParams.kv_compression overrides it); None: off.
         self.compression: KVCompressionConfig | None = None
         self._dropped: dict[str, tuple[int, int]] = {}
+        # The prefix cache's host tier (rooflm.kv_cache.host_tier), set by the engine when kv_offload_gb > 0.
+        self.host_tier: HostPrefixTier | None = None
 
     # -- requests -----------------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -201,7 +204,7 @@ class Scheduler:
                     break
                 budget += self._evict(victim, chosen, preempted, spec_used)
                 continue
-            hits, num_cached = [], 0
+            hits, num_cached, held = [], 0, []
             swapped = self.swap is not None and self.swap.holds(req.request_id)
             comp = self._compression(req)
             # (prompt logprobs need every position, a compressed request full-attention KV: no lookup for those)
@@ -212,12 +215,17 @@ class Scheduler:
             elif lookup:
                 hashes = req.update_block_hashes(self.kv.block_size)
                 hits, num_cached = self.kv.get_computed_blocks_by_hash(hashes, req.num_tokens, record=False)
+                if self.host_tier is not None:  # the blocks after the device's hits may wait in host memory
+                    held = self.host_tier.hold(hashes, len(hits), self._max_hit_blocks(req, hashes))
+                    num_cached += len(held) * self.kv.block_size
             num_new = min(req.num_tokens - num_cached, budget)
             if comp is not None:
                 num_new = min(num_new, comp.max_new_tokens(self.kv.block_size))
             if not (self._swap_in(req, num_new) if swapped
-                    else self.kv.allocate_slots(req.request_id, num_cached, self._slots(req, num_cached + num_new),
-                                                hits)):
+                    else self.kv.allocate_slots(req.request_id, len(hits) * self.kv.block_size,
+                                                self._slots(req, num_cached + num_new), hits)):
+                if held:
+                    self.host_tier.release(held)
                 victim = self._victim_for(req)
                 if victim is None:
                     break  # nobody jumps the policy's queue
@@ -229,7 +237,10 @@ class Scheduler:
                 self.waiting.remove(req)
             self.policy.on_admit(req)
             if lookup:
-                self.kv.record_lookup(req.num_tokens, num_cached)
+                self.kv.record_lookup(req.num_tokens, len(hits) * self.kv.block_size)
+                if self.host_tier is not None:  # restored blocks count as computed, like device hits
+                    self.host_tier.restore(held, self.kv.get_block_ids(req.request_id)[len(hits):len(hits) + len(held)],
+                                           self._max_hit_blocks(req, hashes) - len(hits) - len(held))
             if req.num_preemptions == 0:
                 req.metrics.num_cached_tokens = num_cached
                 if req.metrics.first_scheduled_time is None:
@@ -239,6 +250,10 @@ class Scheduler:
             self.running.append(req)
             chosen[req.request_id] = num_new
             budget -= num_new
+
+    def _max_hit_blocks(self, req: Request, hashes: list[int]) -> int:
+        """Full prompt blocks a cache may supply: at least one token is left to compute (it gives the logits)."""
+        return min(len(hashes), (req.num_tokens - 1) // self.kv.block_size)
 
     def _preempt(self, req: Request) -> None:
         """Free ``req``'s blocks and put it back at the front of the queue; its tokens are kept. Its KV is either
@@ -334,10 +349,12 @@ class Scheduler:
         # is empty, and the copy of its blocks out must still happen before any later step reuses them.
         swap_out, swap_in = self.swap.take() if self.swap is not None and chosen else ([], [])
         dropped, self._dropped = self._dropped, {}
+        offload, restore = self.host_tier.take() if self.host_tier is not None and chosen else ([], [])
         return SchedulerOutput(new_reqs, cached, chosen, sampling, spec_tokens, finished, preempted,
                                self.kv.take_pending_copies(), computed_after, blocks_to_swap_out=swap_out,
                                blocks_to_swap_in=swap_in,
-                               kv_dropped={r: d for r, d in dropped.items() if r in chosen})
+                               kv_dropped={r: d for r, d in dropped.items() if r in chosen},
+                               kv_offload_out=offload, kv_offload_in=restore)
 
     # -- after the forward pass ----------------------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:

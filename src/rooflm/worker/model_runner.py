@@ -126,6 +126,7 @@ class ModelRunner:
         self.graph_runner = None  # decode CUDA graphs (worker/cuda_graphs.py), set by capture_graphs()
         self.drafter = None  # a model-based speculative proposer (spec_decode/drafter.py), set by the engine
         self.swap_space = None  # HostSwapSpace (worker/swap_space.py) under swap preemption
+        self.kv_offload = None  # HostSwapSpace of the prefix cache's host tier (worker/kv_offload.py)
 
     def capture_graphs(self, max_num_seqs: int) -> None:
         """Capture decode CUDA graphs (the runner's one graph-or-eager choice is made per step in ``execute``)."""
@@ -238,8 +239,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepHandle:
         self._update_states(out)
+        # device blocks are read (offloads, swap-outs) before any is written (swap-ins, restores): a block freed
+        # this step may already be handed out again
+        if self.kv_offload is not None:
+            self.kv_offload.run(self.kv_caches, out.kv_offload_out, [])
         if self.swap_space is not None:
             self.swap_space.run(self.kv_caches, out.blocks_to_swap_out, out.blocks_to_swap_in)
+        if self.kv_offload is not None:
+            self.kv_offload.run(self.kv_caches, [], out.kv_offload_in)
         self._copy_blocks(out.blocks_to_copy)
         states, ids, pos, meta, sample_idx, spec_idx, rows_t = self._prepare(out)
         graph_logits = None
