@@ -366,6 +366,7 @@ class EngineConfig:
         if not isinstance(self.swap_space, (int, float)) or isinstance(self.swap_space, bool) or self.swap_space < 0:
             raise _bad("EngineConfig", "swap_space", self.swap_space, "a number of GiB >= 0")
         self._check_kv_offload(parallel)
+        self._check_h2o(parallel)
         from rooflm.kv_cache.compression import KVCompressionConfig
 
         KVCompressionConfig.parse(self.kv_compression)
@@ -382,6 +383,22 @@ class EngineConfig:
         # The sub-configs validate the rest.
         self.cache_config()
         self.scheduler_config(self.max_model_len or 1)
+
+    def _check_h2o(self, parallel: bool) -> None:
+        from rooflm.kv_cache.compression import KVCompressionConfig
+
+        comp = KVCompressionConfig.parse(self.kv_compression)
+        if comp is None or comp.method != "h2o":
+            return
+        for name, bad, accepted in (
+                ("async_scheduling", self.async_scheduling is True, "False or None with kv_compression method 'h2o' "
+                 "(it drops blocks by the attention scores of the step just read back)"),
+                ("kv_cache_dtype", self.kv_cache_dtype != "auto", "'auto' with kv_compression method 'h2o' (its "
+                 "attention scores read the cached keys unquantized)"),
+                ("tensor_parallel_size", parallel, "1 with kv_compression method 'h2o' (the scores are summed on "
+                 "rank 0 only)")):
+            if bad:
+                raise _bad("EngineConfig", name, getattr(self, name), accepted)
 
     def _check_kv_offload(self, parallel: bool) -> None:
         v = self.kv_offload_gb

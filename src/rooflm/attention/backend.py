@@ -32,6 +32,9 @@ class AttentionMetadata:
     # Host copies (the reference path and the runner's bookkeeping read these without a device sync).
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # H2O KV compression: a rooflm.attention.h2o_scores.BlockScoreCollector that every attention layer feeds with
+    # its queries after attending, for the requests whose attention scores the scheduler asked for; None: off.
+    attn_scores: "object | None" = None
 
     @property
     def num_seqs(self) -> int:
