@@ -19,10 +19,12 @@ class _FakeEngine:
         self.pending: list[tuple[str, list[int]]] = []
         self.prompts: dict[str, list[int]] = {}
         self.steps = 0
+        self.max_pending = 0
 
     def add_request(self, rid, prompt, params):
         self.prompts[rid] = list(prompt)
         self.pending.append((rid, list(prompt)))
+        self.max_pending = max(self.max_pending, len(self.pending))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.pending)
@@ -38,11 +40,15 @@ class _FakeEngine:
                                 outputs=[SimpleNamespace(token_ids=[prompt[-2] + 1, prompt[-1] + 1])])]
 
 
-def test_each_turn_extends_the_conversation():
+@pytest.mark.parametrize("concurrency", [0, 1, 2])
+def test_each_turn_extends_the_conversation(concurrency):
     convs = make_conversations(3, 4, 5, vocab_size=1000, seed=1)
     engine = _FakeEngine()
-    r = run_trace(engine, convs, output_len=2)
+    r = run_trace(engine, convs, output_len=2, max_concurrency=concurrency)
     assert len(r.ttft_s) == 12 and r.ttft_s == [0.5] * 12
+    if concurrency:  # round-robin: every user's turn t before anyone's turn t + 1
+        assert list(engine.prompts) == [f"u{u}-t{t}" for t in range(4) for u in range(3)]
+        assert engine.max_pending == concurrency
     for u in range(3):
         history: list[int] = []
         for t in range(4):
@@ -69,7 +75,7 @@ def test_bench_multiturn_with_and_without_host_tier(tmp_path):
     out = tmp_path / "mt.json"
     assert main(["bench", "multiturn", "--model", "smollm2-135m", "--load-format", "dummy", "--device", "cpu",
                  "--dtype", "float32", "--num-users", "4", "--num-turns", "3", "--input-len", "32",
-                 "--output-len", "4", "--kv-offload-gb", "0,auto", "--json", str(out)]) == 0
+                 "--output-len", "4", "--max-concurrency", "2", "--kv-offload-gb", "0,auto", "--json", str(out)]) == 0
     d = json.loads(out.read_text())
     assert d["working_set_tokens"] == 4 * 3 * 36 and d["pool_blocks"] == pool_blocks(4, 3, 32, 4, 16, 0.25)
     base, host = d["runs"]

@@ -1,12 +1,13 @@
 """Multi-turn chat: mean time to first token with and without the prefix cache's host tier (``kv_offload_gb``).
 
-``rooflm bench multiturn --num-users 8 --num-turns 4 --pool-fraction 0.25 --kv-offload-gb 0,auto``
+``rooflm bench multiturn --num-users 8 --num-turns 4 --max-concurrency 2 --pool-fraction 0.25 --kv-offload-gb 0,auto``
 
-Workload. ``--num-users`` conversations run at once, interleaved; each has ``--num-turns`` turns. A turn's prompt
-is the conversation so far (every earlier user text and the model's answers to it, as token ids) followed by
-``--input-len`` new random token ids; the answer is ``--output-len`` tokens (greedy, EOS ignored). A user sends its
-next turn as soon as the previous answer is complete (a closed loop, as chat clients do), so every prompt but the
-first of a conversation starts with a prefix that was computed before, and was freed since.
+Workload. ``--num-users`` conversations of ``--num-turns`` turns, interleaved round-robin (every user's first turn,
+then every user's second turn, ...), at most ``--max-concurrency`` requests in flight (0: every user at once, each
+sending its next turn as soon as its answer is complete). A turn's prompt is the conversation so far (every earlier
+user text and the model's answers to it, as token ids) followed by ``--input-len`` new random token ids; the answer
+is ``--output-len`` tokens (greedy, EOS ignored). So every prompt but the first of a conversation starts with a
+prefix that was computed before, and freed since, while the other users' turns ran.
 
 Pool. The *working set* is the KV of every conversation at its end (``users · turns · (input + output)`` tokens); the
 device pool is ``--pool-fraction`` of it (``num_gpu_blocks_override``), at least one conversation. With a quarter, the
@@ -42,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, help="as the engine's quantization (default: the checkpoint's)")
     p.add_argument("--num-users", type=int, default=8, help="conversations running at once")
     p.add_argument("--num-turns", type=int, default=4, help="turns per conversation")
+    p.add_argument("--max-concurrency", type=int, default=2,
+                   help="requests in flight at most, sent in round-robin order (0: every user at once)")
     p.add_argument("--input-len", type=int, default=256,
                    help="new user tokens per turn (default: 256 with a GPU, 128 without)")
     p.add_argument("--output-len", type=int, default=128,
@@ -88,9 +91,11 @@ def pool_blocks(num_users: int, num_turns: int, input_len: int, output_len: int,
     return max(blocks, -(-conversation // block_size) + 1)
 
 
-def run_trace(engine, conversations: list[list[list[int]]], output_len: int) -> TraceResult:
-    """Drive ``engine`` through the conversations in a closed loop; every turn's prompt is the history so far plus
-    the turn's user text."""
+def run_trace(engine, conversations: list[list[list[int]]], output_len: int,
+              max_concurrency: int = 0) -> TraceResult:
+    """Drive ``engine`` through the conversations; every turn's prompt is the history so far plus the turn's user
+    text. ``max_concurrency`` > 0: turns in round-robin order, at most that many in flight; 0: every user at once,
+    each sending its next turn when its answer is complete."""
     from rooflm.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -105,9 +110,22 @@ def run_trace(engine, conversations: list[list[list[int]]], output_len: int) -> 
         history[u] = history[u] + conversations[u][t]
         engine.add_request(f"u{u}-t{t}", list(history[u]), params)
 
+    order = [(u, t) for t in range(max(map(len, conversations))) for u in range(len(conversations))
+             if t < len(conversations[u])]
+    busy: set[int] = set()
+
+    def fill() -> None:  # round-robin: the next turn waits for its user's previous answer and for a free seat
+        while order and len(busy) < max_concurrency and order[0][0] not in busy:
+            u, _ = order.pop(0)
+            busy.add(u)
+            send(u)
+
     t0 = time.perf_counter()
-    for u in range(len(conversations)):
-        send(u)
+    if max_concurrency > 0:
+        fill()
+    else:
+        for u in range(len(conversations)):
+            send(u)
     while engine.has_unfinished_requests():
         for out in engine.step():
             if not out.finished:
@@ -118,7 +136,10 @@ def run_trace(engine, conversations: list[list[list[int]]], output_len: int) -> 
             answer = out.outputs[0].token_ids
             answers[u].append(list(answer))
             history[u] = history[u] + list(answer)
-            if len(answers[u]) < len(conversations[u]):
+            if max_concurrency > 0:
+                busy.discard(u)
+                fill()
+            elif len(answers[u]) < len(conversations[u]):
                 send(u)
     elapsed = time.perf_counter() - t0
     s = engine.get_stats()
@@ -158,7 +179,10 @@ def run(args: argparse.Namespace) -> int:
     working_set = U * T * (L_in + L_out)
     sizes = _offload_sizes(args.kv_offload_gb, -(-working_set // bs) * per_block)
     conversations = make_conversations(U, T, L_in, cfg.vocab_size, args.seed)
+    if args.max_concurrency < 0:
+        raise ValueError(f"--max-concurrency {args.max_concurrency} is invalid: expected an integer >= 0")
     res: dict = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "num_users": U, "num_turns": T,
+                 "max_concurrency": args.max_concurrency,
                  "input_len": L_in, "output_len": L_out, "working_set_tokens": working_set,
                  "pool_blocks": blocks, "pool_tokens": blocks * bs, "runs": []}
     for gb in sizes:
@@ -171,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         while engine.has_unfinished_requests():  # (8 tokens: not a full block, so nothing of it is cached)
             engine.step()
         note(f"kv_offload_gb={gb:g}: {U} users x {T} turns")
-        r = run_trace(engine, conversations, L_out)
+        r = run_trace(engine, conversations, L_out, args.max_concurrency)
         res["runs"].append({"kv_offload_gb": gb, "mean_ttft_ms": 1e3 * statistics.fmean(r.ttft_s),
                             "median_ttft_ms": 1e3 * statistics.median(r.ttft_s), "elapsed_s": r.elapsed_s,
                             "prompt_tokens_computed": r.prompt_tokens_computed,
@@ -181,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     with report_stream(args):
-        print(f"{U} users x {T} turns of {L_in} + {L_out} tokens: working set {working_set} tokens, device pool "
+        print(f"{U} users x {T} turns of {L_in} + {L_out} tokens, {args.max_concurrency or U} in flight: working set {working_set} tokens, device pool "
               f"{blocks * bs} tokens ({args.pool_fraction:g}); {args.model} {res['dtype']} on {device}")
         print(f"{'host GiB':>9} {'mean TTFT ms':>13} {'median ms':>10} {'wall s':>8} {'prompt computed':>16} "
               f"{'device hits':>12} {'host hits':>10} {'preempt':>8}")
