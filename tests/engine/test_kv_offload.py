@@ -150,3 +150,21 @@ def test_tier_reset_frees_everything_after_the_pending_step():
     assert tier.num_cached_blocks == 0 and tier.num_free_host_blocks == 2
     tier.take()
     assert tier.num_free_host_blocks == 3
+
+
+def test_evicted_prefix_goes_to_the_host_and_reset_forgets_both_tiers():
+    from rooflm.kv_cache import KVCacheManager
+
+    kv = KVCacheManager(2, BS)
+    tier = HostPrefixTier(4, BS)
+    kv.block_pool.on_evict, kv.host_tier = tier.offload, tier
+    prompt = list(range(2 * BS + 1))
+    assert not kv.allocate_slots("a", 0, len(prompt))  # 3 blocks do not fit 2
+    assert kv.allocate_slots("a", 0, 2 * BS)
+    kv.cache_full_blocks("a", prompt, 2 * BS)
+    kv.free("a")
+    assert kv.allocate_slots("b", 0, BS)  # evicts the least recently freed cached block: a's second
+    out, _ = tier.take()
+    assert [d for d, _ in out] == [1] and tier.num_cached_blocks == 1
+    kv.reset_prefix_cache()
+    assert tier.num_cached_blocks == 0 and kv.block_pool.num_cached_blocks == 0

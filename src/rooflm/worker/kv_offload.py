@@ -32,6 +32,7 @@ def setup_kv_offload(engine: "LLMEngine", bytes_per_block: int) -> None:
     tier = HostPrefixTier(num_host_blocks, c.block_size, bytes_per_block)
     engine.scheduler.host_tier = tier
     engine.kv.block_pool.on_evict = tier.offload
+    engine.kv.host_tier = tier
     cfg = engine.runner.cfg  # this rank's KV heads
     engine.runner.kv_offload = HostSwapSpace(num_host_blocks, c.block_size, cfg.num_key_value_heads, cfg.head_dim,
                                              cfg.num_hidden_layers, engine.dtype, c.kv_cache_dtype, engine.device)
