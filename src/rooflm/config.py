@@ -3,6 +3,7 @@ naming the field, the value seen and what is accepted."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields
 from importlib import resources
@@ -298,6 +299,9 @@ class EngineConfig:
     # roofline's time to recompute the context exceeds the transfer time (rooflm.kv_cache.swap).
     preemption_mode: str = "recompute"
     swap_space: float = 4.0
+    # GiB of host memory for the prefix cache's host tier (vLLM's CPU offloading, LMCache): cached blocks evicted from
+    # the device pool are copied there and restored instead of recomputed (rooflm.kv_cache.host_tier). 0: off.
+    kv_offload_gb: float = 0.0
     # Lossy KV compression, off by default: {"method": "streaming", "budget": tokens kept per request, "sink": 4}
     # (StreamingLLM), a dict or its JSON text; see rooflm.kv_cache.compression.KVCompressionConfig.
     kv_compression: dict[str, Any] | str | None = None
@@ -364,6 +368,8 @@ class EngineConfig:
             raise _bad("EngineConfig", "preemption_mode", self.preemption_mode, f"one of {PREEMPTION_MODES}")
         if not isinstance(self.swap_space, (int, float)) or isinstance(self.swap_space, bool) or self.swap_space < 0:
             raise _bad("EngineConfig", "swap_space", self.swap_space, "a number of GiB >= 0")
+        self._check_kv_offload(parallel)
+        self._check_h2o(parallel)
         from rooflm.kv_cache.compression import KVCompressionConfig
 
         KVCompressionConfig.parse(self.kv_compression)
@@ -380,6 +386,37 @@ class EngineConfig:
         # The sub-configs validate the rest.
         self.cache_config()
         self.scheduler_config(self.max_model_len or 1)
+
+    def _check_h2o(self, parallel: bool) -> None:
+        from rooflm.kv_cache.compression import KVCompressionConfig
+
+        comp = KVCompressionConfig.parse(self.kv_compression)
+        if comp is None or comp.method != "h2o":
+            return
+        for name, bad, accepted in (
+                ("async_scheduling", self.async_scheduling is True, "False or None with kv_compression method 'h2o' "
+                 "(it drops blocks by the attention scores of the step just read back)"),
+                ("kv_cache_dtype", self.kv_cache_dtype != "auto", "'auto' with kv_compression method 'h2o' (its "
+                 "attention scores read the cached keys unquantized)"),
+                ("tensor_parallel_size", parallel, "1 with kv_compression method 'h2o' (the scores are summed on "
+                 "rank 0 only)")):
+            if bad:
+                raise _bad("EngineConfig", name, getattr(self, name), accepted)
+
+    def _check_kv_offload(self, parallel: bool) -> None:
+        v = self.kv_offload_gb
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            raise _bad("EngineConfig", "kv_offload_gb", v, "a finite number of GiB >= 0")
+        if v and not self.enable_prefix_caching:
+            raise _bad("EngineConfig", "kv_offload_gb", v, "0 without prefix caching (it holds evicted prefix blocks)")
+        if v and parallel:
+            raise _bad("EngineConfig", "kv_offload_gb", v, "0 with tensor or pipeline parallelism (the host copies "
+                       "run on rank 0 only)")
+        if v and self.speculative_config is not None:
+            from rooflm.spec_decode.config import SpeculativeConfig
+
+            if SpeculativeConfig.parse(self.speculative_config).method == "draft_model":
+                raise _bad("EngineConfig", "kv_offload_gb", v, "0 with a draft model (its own cache is not offloaded)")
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's share of this config: every SchedulerConfig field of the same name."""

@@ -46,3 +46,27 @@ def test_kv_budgets_rows(tiny, tmp_path):
 def test_bad_budgets_name_the_flag(spec):
     with pytest.raises(ValueError, match="--kv-budgets"):
         ppl.parse_budgets(spec)
+
+
+def test_kv_methods_rows(tiny, tmp_path):
+    out = tmp_path / "ppl.json"
+    args = build_parser().parse_args(
+        ["bench", "perplexity", "--model", tiny, "--dtype", "float32", "--device", "cpu", "--max-tokens", "100",
+         "--window", "100", "--max-num-batched-tokens", "8", "--kv-budgets", "0,64,128", "--kv-methods",
+         "streaming,h2o", "--json", str(out)])
+    assert args.func(args) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["kv_budget"], r["kv_method"]) for r in rows] == [(0, None), (64, "streaming"), (64, "h2o"),
+                                                                 (128, "streaming"), (128, "h2o")]
+    assert rows[2]["setting"] == "default h2o:64"
+    full = rows[0]["perplexity"]
+    for r in rows[3:]:  # 128 tokens hold the whole 100-token window: nothing is dropped
+        assert r["perplexity"] == pytest.approx(full, rel=1e-9)
+    for r in rows[1:3]:
+        assert r["perplexity"] != pytest.approx(full, rel=1e-6)
+
+
+@pytest.mark.parametrize("spec", ["streaming,h3o", ""])
+def test_bad_methods_name_the_flag(spec):
+    with pytest.raises(ValueError, match="--kv-methods"):
+        ppl.parse_methods(spec)

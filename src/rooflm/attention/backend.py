@@ -35,6 +35,9 @@ class AttentionMetadata:
     # Token-tree verification (spec_decode/tree.py): per sequence None (causal) or a [Q, Q] bool mask over its Q new
     # tokens (True: may attend); the cached context before them is visible to all. None: every sequence causal.
     tree_masks: list[torch.Tensor | None] | None = None
+    # H2O KV compression: a rooflm.attention.h2o_scores.BlockScoreCollector that every attention layer feeds with
+    # its queries after attending, for the requests whose attention scores the scheduler asked for; None: off.
+    attn_scores: "object | None" = None
 
     @property
     def num_seqs(self) -> int:

@@ -52,6 +52,7 @@ _BENCHMARKS = (
     ("latency", "rooflm.bench.latency", "latency of one batch: prefill and per-token decode time"),
     ("throughput", "rooflm.bench.throughput", "offline throughput of the engine on a batch of requests"),
     ("spec", "rooflm.bench.speculative", "speculative decoding against plain decoding on the same prompts"),
+    ("multiturn", "rooflm.bench.multiturn", "multi-turn chat: TTFT with and without the prefix cache's host tier"),
     ("serve", "rooflm.bench.serving", "load-test an OpenAI-compatible server (TTFT, TPOT, ITL, throughput, goodput)"),
     ("perplexity", "rooflm.bench.perplexity", "perplexity on a text excerpt, per quantization setting"),
 )

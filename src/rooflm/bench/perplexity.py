@@ -73,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compare StreamingLLM KV compression budgets (tokens kept per request, 4 sink tokens; 0 = "
                         "full attention), e.g. 0,256,512,1024; use with a small --max-num-batched-tokens so each "
                         "scored token sees close to the whole budget (default: off)")
+    p.add_argument("--kv-methods", default="streaming", metavar="M,M,...",
+                   help="with --kv-budgets: the compression methods to evaluate at each budget, streaming "
+                        "(StreamingLLM) and/or h2o (H2O: the recent half of the budget plus the blocks with the "
+                        "largest accumulated attention scores) (default: streaming)")
     add_output_args(p)
 
 
@@ -218,23 +222,36 @@ def parse_budgets(spec: str) -> list[int]:
     return budgets
 
 
-def _setting_name(quantization: str | None, kv_cache_dtype: str | None, budget: int | None = None) -> str:
+def parse_methods(spec: str) -> list[str]:
+    """``"streaming,h2o"`` -> ["streaming", "h2o"]."""
+    from rooflm.kv_cache.compression import COMPRESSION_METHODS
+
+    methods = [m.strip() for m in spec.split(",")]
+    if not methods or any(m not in COMPRESSION_METHODS for m in methods):
+        raise ValueError(f"--kv-methods {spec!r} is invalid: expected comma-separated methods of {COMPRESSION_METHODS}")
+    return methods
+
+
+def _setting_name(quantization: str | None, kv_cache_dtype: str | None, budget: int | None = None,
+                  method: str = "streaming") -> str:
     name = quantization or "default"
     name = f"{name}:{kv_cache_dtype}" if kv_cache_dtype else name
     if budget is not None:
-        name += f" streaming:{budget}" if budget else " full attention"
+        name += f" {method}:{budget}" if budget else " full attention"
     return name
 
 
 def _evaluate_setting(args: argparse.Namespace, text: str, quantization: str | None,
-                      kv_cache_dtype: str | None, budget: int | None = None) -> tuple[dict, Any]:
+                      kv_cache_dtype: str | None, budget: int | None = None,
+                      method: str = "streaming") -> tuple[dict, Any]:
     import torch
 
     from rooflm.llm import LLM
 
     options: dict[str, Any] = engine_options(quantization, kv_cache_dtype)
     if budget:
-        options["kv_compression"] = {"method": "streaming", "budget": budget, "sink": 4}
+        options["kv_compression"] = ({"method": "streaming", "budget": budget, "sink": 4} if method == "streaming"
+                                     else {"method": method, "budget": budget})
     t0 = time.perf_counter()
     try:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.window + 1,
@@ -250,8 +267,8 @@ def _evaluate_setting(args: argparse.Namespace, text: str, quantization: str | N
     r = perplexity(llm, ids, args.window, args.stride)
     eval_s = time.perf_counter() - t0
     engine = llm.engine
-    row = {"setting": _setting_name(quantization, kv_cache_dtype, budget), "quantization": quantization,
-           "kv_budget": budget,
+    row = {"setting": _setting_name(quantization, kv_cache_dtype, budget, method), "quantization": quantization,
+           "kv_budget": budget, "kv_method": method if budget else None,
            "kv_cache_dtype": kv_cache_dtype, "perplexity": r.perplexity, "mean_nll": r.mean_nll,
            "num_tokens": r.num_tokens, "num_scored": r.num_scored, "num_windows": r.num_windows,
            "load_s": load_s, "eval_s": eval_s, "device": str(engine.device),
@@ -274,14 +291,15 @@ def run(args: argparse.Namespace) -> int:
     settings = (parse_compare(args.compare, args.kv_cache_dtype) if args.compare
                 else [(args.quantization, args.kv_cache_dtype)])
     budgets = parse_budgets(args.kv_budgets) if getattr(args, "kv_budgets", None) else [None]
+    methods = parse_methods(getattr(args, "kv_methods", None) or "streaming")
     if args.compare and budgets != [None]:
         raise ValueError("--compare and --kv-budgets are exclusive: compare one of them at a time")
     for q, kv in settings:  # an option the engine lacks fails now, not after the first setting's run
         engine_options(q, kv)
     text = load_text(args.text)
     rows = []
-    for (q, kv), b in [(s, b) for s in settings for b in budgets]:
-        row, _ = _evaluate_setting(args, text, q, kv, b)
+    for (q, kv), b, m in [(s, b, m) for s in settings for b in budgets for m in (methods if b else methods[:1])]:
+        row, _ = _evaluate_setting(args, text, q, kv, b, m)
         row["ratio"] = row["perplexity"] / rows[0]["perplexity"] if rows else 1.0
         rows.append(row)
     res = {"command": "rooflm bench perplexity " + " ".join(sys.argv[3:])

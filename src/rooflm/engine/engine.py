@@ -170,8 +170,13 @@ class LLMEngine:
         from rooflm.worker.swap_space import setup_swap
 
         setup_swap(self, per_block)
+        from rooflm.worker.kv_offload import setup_kv_offload
+
+        setup_kv_offload(self, per_block)
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
+        if self.kv_compression is not None and self.kv_compression.method == "h2o":
+            self.async_scheduling = False  # H2O drops by the scores of the step just read back
         from rooflm.spec_decode.proposer import SpeculativeProposer
 
         self.proposer = None
@@ -304,6 +309,11 @@ class LLMEngine:
         spec = params.structured_outputs
         if spec is not None:
             self._structured_manager().compile(spec)  # a schema / regex / grammar the backend refuses: ValueError
+        if params.kv_compression is not None and params.kv_compression.method == "h2o" and (
+                self.async_scheduling or self.config.kv_cache_dtype != "auto"):
+            raise ValueError(f"kv_compression={params.kv_compression}: method 'h2o' needs async_scheduling=False and "
+                             "kv_cache_dtype='auto' (it drops blocks by the unquantized attention scores of the step "
+                             "just read back)")
         if params.kv_compression is not None and self.runner.drafter is not None:
             raise ValueError(f"kv_compression={params.kv_compression} is not supported with speculative_config method "
                              f"{self.spec_config.method!r} (the draft's cache follows uncompressed positions)")
@@ -409,5 +419,7 @@ class LLMEngine:
         s.spec_draft_tokens = self.scheduler.num_draft_tokens
         s.spec_accepted_tokens = self.scheduler.num_accepted_tokens
         s.spec_verifications = self.scheduler.num_verifications
+        if self.scheduler.host_tier is not None:
+            s.fill_host_tier(self.scheduler.host_tier)
         self.roofline.fill_stats(s)
         return s

@@ -61,9 +61,17 @@ class SchedulerOutput:
     # Swap preemption (rooflm.kv_cache.swap), run before the forward pass, swap-outs first:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    # KV compression (rooflm.kv_cache.compression): req_id -> (first table index, number of blocks) dropped this
-    # step, before its new blocks are appended.
-    kv_dropped: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # KV compression (rooflm.kv_cache.compression): req_id -> the (table index, number of blocks) ranges dropped this
+    # step, applied in order, before its new blocks are appended.
+    kv_dropped: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    # H2O KV compression: the requests whose per-block attention scores this step returns
+    # (ModelRunnerOutput.block_scores).
+    attn_score_req_ids: list[str] = field(default_factory=list)
+    # The prefix cache's host tier (rooflm.kv_cache.host_tier): evicted cached blocks copied out (device block, host
+    # block) before this step may reuse them, and host hits copied back (host block, device block) before it reads
+    # them; offloads first, restores after the swap copies.
+    kv_offload_out: list[tuple[int, int]] = field(default_factory=list)
+    kv_offload_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -89,6 +97,8 @@ class ModelRunnerOutput:
     sampled_logprobs: list[float | None] = field(default_factory=list)
     # req_id -> [(prompt position, {token_id: logprob})] for the prompt positions computed this step.
     prompt_logprobs: dict[str, list[tuple[int, dict[int, float]]]] = field(default_factory=dict)
+    # H2O: req_id -> attention probability mass per block of its table this step (SchedulerOutput.attn_score_req_ids)
+    block_scores: dict[str, list[float]] = field(default_factory=dict)
     # Speculative decoding with a draft model: req_id -> draft tokens proposed after this step, for the next one.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 

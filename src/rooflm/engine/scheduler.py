@@ -33,7 +33,8 @@ from rooflm.engine.sched_output import (CachedRequestData, EngineCoreOutput, Mod
                                         SchedulerOutput)
 from rooflm.engine.stop_checker import FINISH_LENGTH, check_stop
 from rooflm.kv_cache import KVCacheManager
-from rooflm.kv_cache.compression import KVCompressionConfig, plan_drop
+from rooflm.kv_cache.compression import KVCompressionConfig, plan_drop, plan_h2o_drop
+from rooflm.kv_cache.host_tier import HostPrefixTier
 from rooflm.kv_cache.swap import SwapManager
 
 FINISH_ABORT = "abort"
@@ -67,7 +68,10 @@ class Scheduler:
         self.swap: SwapManager | None = None
         # Engine-wide KV compression (a request's SamplingParams.kv_compression overrides it); None: off.
         self.compression: KVCompressionConfig | None = None
-        self._dropped: dict[str, tuple[int, int]] = {}
+        self._dropped: dict[str, list[tuple[int, int]]] = {}
+        self.h2o_scores: dict[str, list[float]] = {}  # H2O: accumulated attention score per block of a request's table
+        # The prefix cache's host tier (rooflm.kv_cache.host_tier), set by the engine when kv_offload_gb > 0.
+        self.host_tier: HostPrefixTier | None = None
 
     # -- requests -----------------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -99,6 +103,7 @@ class Scheduler:
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
         self.kv.free(req.request_id)
+        self.h2o_scores.pop(req.request_id, None)
         if self.swap is not None:
             self.swap.drop(req.request_id)
         self.policy.on_finish(req)
@@ -201,7 +206,7 @@ class Scheduler:
                     break
                 budget += self._evict(victim, chosen, preempted, spec_used)
                 continue
-            hits, num_cached = [], 0
+            hits, num_cached, held = [], 0, []
             swapped = self.swap is not None and self.swap.holds(req.request_id)
             comp = self._compression(req)
             # (prompt logprobs need every position, a compressed request full-attention KV: no lookup for those)
@@ -212,12 +217,17 @@ class Scheduler:
             elif lookup:
                 hashes = req.update_block_hashes(self.kv.block_size)
                 hits, num_cached = self.kv.get_computed_blocks_by_hash(hashes, req.num_tokens, record=False)
+                if self.host_tier is not None:  # the blocks after the device's hits may wait in host memory
+                    held = self.host_tier.hold(hashes, len(hits), self._max_hit_blocks(req, hashes))
+                    num_cached += len(held) * self.kv.block_size
             num_new = min(req.num_tokens - num_cached, budget)
             if comp is not None:
                 num_new = min(num_new, comp.max_new_tokens(self.kv.block_size))
             if not (self._swap_in(req, num_new) if swapped
-                    else self.kv.allocate_slots(req.request_id, num_cached, self._slots(req, num_cached + num_new),
-                                                hits)):
+                    else self.kv.allocate_slots(req.request_id, len(hits) * self.kv.block_size,
+                                                self._slots(req, num_cached + num_new), hits)):
+                if held:
+                    self.host_tier.release(held)
                 victim = self._victim_for(req)
                 if victim is None:
                     break  # nobody jumps the policy's queue
@@ -229,7 +239,10 @@ class Scheduler:
                 self.waiting.remove(req)
             self.policy.on_admit(req)
             if lookup:
-                self.kv.record_lookup(req.num_tokens, num_cached)
+                self.kv.record_lookup(req.num_tokens, len(hits) * self.kv.block_size)
+                if self.host_tier is not None:  # restored blocks count as computed, like device hits
+                    self.host_tier.restore(held, self.kv.get_block_ids(req.request_id)[len(hits):len(hits) + len(held)],
+                                           self._max_hit_blocks(req, hashes) - len(hits) - len(held))
             if req.num_preemptions == 0:
                 req.metrics.num_cached_tokens = num_cached
                 if req.metrics.first_scheduled_time is None:
@@ -239,6 +252,10 @@ class Scheduler:
             self.running.append(req)
             chosen[req.request_id] = num_new
             budget -= num_new
+
+    def _max_hit_blocks(self, req: Request, hashes: list[int]) -> int:
+        """Full prompt blocks a cache may supply: at least one token is left to compute (it gives the logits)."""
+        return min(len(hashes), (req.num_tokens - 1) // self.kv.block_size)
 
     def _preempt(self, req: Request) -> None:
         """Free ``req``'s blocks and put it back at the front of the queue; its tokens are kept. Its KV is either
@@ -250,6 +267,7 @@ class Scheduler:
             self.swap.swap_out(req.request_id, self.kv.get_block_ids(req.request_id)[:n_blocks])
         else:
             req.num_computed_tokens = req.num_dropped_tokens = 0
+            self.h2o_scores.pop(req.request_id, None)
             if self.swap is not None:
                 self.swap.stats.recomputes += 1
         self.kv.free(req.request_id)
@@ -263,17 +281,27 @@ class Scheduler:
         return req.params.kv_compression or self.compression
 
     def _compress(self, req: Request, num_new: int) -> int:
-        """Cap a compressed request's new tokens and drop the oldest window blocks they would push past its budget
-        (StreamingLLM, rooflm.kv_cache.compression); returns the tokens to schedule."""
+        """Cap a compressed request's new tokens and drop the blocks they would push past its budget: the oldest window
+        blocks (StreamingLLM) or the lowest-scored ones (H2O), rooflm.kv_cache.compression; returns the tokens to
+        schedule."""
         comp, bs = self._compression(req), self.kv.block_size
         num_new = min(num_new, comp.max_new_tokens(bs))
-        n = plan_drop(comp, req.num_computed_tokens - req.num_dropped_tokens, num_new, bs)
-        if n:
-            start = comp.sink_blocks(bs)
+        cache_len = req.num_computed_tokens - req.num_dropped_tokens
+        if comp.method == "h2o":
+            scores = self.h2o_scores.setdefault(req.request_id, [])
+            indices = plan_h2o_drop(comp, cache_len, num_new, bs, scores)
+            ranges = [(i, 1) for i in reversed(indices)]  # last first: the earlier indices stay valid
+            for i in ranges:
+                del scores[i[0]:i[0] + 1]
+        else:
+            n = plan_drop(comp, cache_len, num_new, bs)
+            ranges = [(comp.sink_blocks(bs), n)] if n else []
+        for start, n in ranges:
             self.kv.drop_blocks(req.request_id, start, n)
             req.num_dropped_tokens += n * bs
             self._sent_blocks[req.request_id] -= n  # dropped blocks were computed, so sent
-            self._dropped[req.request_id] = (start, n)
+        if ranges:
+            self._dropped[req.request_id] = ranges
         return num_new
 
     def _swap_in(self, req: Request, num_new: int) -> bool:
@@ -334,10 +362,13 @@ class Scheduler:
         # is empty, and the copy of its blocks out must still happen before any later step reuses them.
         swap_out, swap_in = self.swap.take() if self.swap is not None and chosen else ([], [])
         dropped, self._dropped = self._dropped, {}
+        scored = [r for r in chosen if (c := self._compression(self.requests[r])) is not None and c.method == "h2o"]
+        offload, restore = self.host_tier.take() if self.host_tier is not None and chosen else ([], [])
         return SchedulerOutput(new_reqs, cached, chosen, sampling, spec_tokens, finished, preempted,
                                self.kv.take_pending_copies(), computed_after, blocks_to_swap_out=swap_out,
                                blocks_to_swap_in=swap_in,
-                               kv_dropped={r: d for r, d in dropped.items() if r in chosen})
+                               kv_dropped={r: d for r, d in dropped.items() if r in chosen},
+                               kv_offload_out=offload, kv_offload_in=restore, attn_score_req_ids=scored)
 
     # -- after the forward pass ----------------------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -346,6 +377,12 @@ class Scheduler:
         Requests that finished (or were aborted) after the step was scheduled get nothing: a token sampled after a
         stop condition never reaches the user."""
         outputs: dict[str, EngineCoreOutput] = {}
+        for rid, step_scores in result.block_scores.items():  # H2O: accumulate each block's attention score
+            if rid in self.requests:
+                acc = self.h2o_scores.setdefault(rid, [])
+                acc.extend([0.0] * (len(step_scores) - len(acc)))
+                for i, x in enumerate(step_scores):
+                    acc[i] += x
         for rid, pl in result.prompt_logprobs.items():
             if rid in self.requests:
                 outputs[rid] = EngineCoreOutput(rid, [], new_prompt_logprobs=pl)

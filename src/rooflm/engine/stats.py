@@ -15,6 +15,14 @@ class EngineStats:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of those, tokens found
     num_preemptions: int = 0
+    # The prefix cache's host tier (kv_offload_gb): prompt tokens restored from host memory instead of computed, full
+    # prompt blocks' tokens that missed on the device and the host, blocks in host memory, bytes copied each way.
+    host_cache_enabled: bool = False
+    host_cache_hits: int = 0
+    host_cache_misses: int = 0
+    host_cache_blocks: int = 0
+    host_cache_bytes_offloaded: int = 0
+    host_cache_bytes_restored: int = 0
     prompt_tokens_total: int = 0  # prompt tokens computed (prefix hits excluded)
     generation_tokens_total: int = 0
     num_steps: int = 0
@@ -33,6 +41,14 @@ class EngineStats:
     roofline_bucket_bounds: tuple[float, ...] = ()  # upper bounds of the per-step fraction buckets, the last +inf
     roofline_bucket_counts: tuple[int, ...] = ()  # steps per bucket (not cumulative)
     roofline_hardware: str | None = None  # the ceilings, e.g. "NVIDIA H200 measured: 4.2 TB/s, 760 TFLOP/s"
+
+    def fill_host_tier(self, tier) -> None:
+        """Copy the counters of a ``rooflm.kv_cache.host_tier.HostPrefixTier``."""
+        st = tier.stats
+        self.host_cache_enabled = True
+        self.host_cache_hits, self.host_cache_misses = st.hit_tokens, st.miss_tokens
+        self.host_cache_blocks = tier.num_cached_blocks
+        self.host_cache_bytes_offloaded, self.host_cache_bytes_restored = st.bytes_offloaded, st.bytes_restored
 
     @property
     def spec_acceptance_rate(self) -> float | None:

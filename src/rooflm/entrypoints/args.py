@@ -47,6 +47,8 @@ _HELP = {
     "preemption_mode": "recompute | swap | auto: what happens to a preempted request's KV (auto: swap when the "
                        "roofline's time to recompute its context exceeds the host transfer time)",
     "swap_space": "GiB of host memory for swapped-out KV blocks (preemption_mode swap or auto)",
+    "kv_offload_gb": "GiB of host memory for the prefix cache's host tier: cached KV blocks evicted from the device "
+                     "are kept there and copied back on a later prefix hit instead of recomputed (0: off)",
     "kv_compression": "lossy KV compression as JSON, e.g. '{\"method\": \"streaming\", \"budget\": 1024, "
                       "\"sink\": 4}' (StreamingLLM: sink tokens and the most recent window, whole blocks)",
     "ttft_slo_ms": "refuse at once (503) a request whose predicted time to first token exceeds this many ms",

@@ -11,7 +11,7 @@ Pure Python: no torch. The device-side KV tensors are indexed by ``block_id`` el
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 __all__ = ["KVBlock", "FreeBlockQueue", "BlockPool"]
@@ -101,6 +101,9 @@ class BlockPool:
         self.free_block_queue = FreeBlockQueue(self.blocks)
         # Prefix cache: chained hash of a full block -> the block holding that KV content.
         self.cached_block_hash_to_block: dict[int, KVBlock] = {}
+        # Called with (block_id, block_hash) when a cached block is popped for reuse, before anything overwrites it:
+        # the host tier of the prefix cache keeps its KV (rooflm.kv_cache.host_tier). None: the KV is lost.
+        self.on_evict: Callable[[int, int], None] | None = None
 
     # ---- allocation -------------------------------------------------------------------------------------------
 
@@ -130,6 +133,8 @@ class BlockPool:
             return
         cached = self.cached_block_hash_to_block.pop(block.block_hash, None)
         assert cached is block, f"block {block.block_id} has a hash the prefix-cache map does not give to it"
+        if self.on_evict is not None:
+            self.on_evict(block.block_id, block.block_hash)
         block.block_hash = None
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:

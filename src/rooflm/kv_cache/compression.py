@@ -18,7 +18,16 @@ Prefix caching. Blocks computed after a drop hold KV of a truncated context, not
 cache promises, so a compressed request neither registers its blocks nor takes prefix hits. A compressed request
 that is preempted is recomputed (never swapped), from its tokens, under the same budget.
 
-Pure Python: ``plan_drop`` decides, the scheduler frees the blocks (``KVCacheManager.drop_blocks``) and tells the
+``h2o`` is H2O (Zhang et al. 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference"): keep the most
+recent tokens plus the *heavy hitters*, the tokens whose attention scores, accumulated over every step so far, are
+largest. Block-granular here too: the last ``ceil(recent / block_size)`` full blocks (and the one being filled) are
+kept, and when a step would need more than ``budget // block_size`` blocks the other blocks with the smallest
+accumulated score are dropped, wherever they are (``plan_h2o_drop``). A block's score is the attention probability
+its tokens received, summed over the step's queries, every head and every layer (the paper keeps heavy hitters per
+head; one block table serves every head and layer here, so the score is their sum). The runner computes it
+(``rooflm.attention.h2o_scores``) for the requests the scheduler names, and the scheduler accumulates it per block.
+
+Pure Python: ``plan_drop`` and ``plan_h2o_drop`` decide, the scheduler frees the blocks (``KVCacheManager.drop_blocks``) and tells the
 runner (``SchedulerOutput.kv_dropped``), which removes them from the request's block table and from then on maps
 position ``p`` to cache index ``p - num_dropped_tokens``.
 """
@@ -27,21 +36,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["KVCompressionConfig", "plan_drop", "COMPRESSION_METHODS"]
+__all__ = ["KVCompressionConfig", "plan_drop", "plan_h2o_drop", "COMPRESSION_METHODS"]
 
-COMPRESSION_METHODS = ("streaming",)
+COMPRESSION_METHODS = ("streaming", "h2o")
 
 
 @dataclass(frozen=True)
 class KVCompressionConfig:
     method: str = "streaming"
     budget: int = 1024  # tokens of KV kept per request (whole blocks: rounded down to a multiple of block_size)
-    sink: int = 4  # attention-sink tokens kept at the start (whole blocks: rounded up)
+    sink: int = 4  # streaming: attention-sink tokens kept at the start (whole blocks: rounded up)
+    recent: int | None = None  # h2o: most recent tokens always kept (whole blocks: rounded up); None: half the budget
 
     def __post_init__(self) -> None:
         if self.method not in COMPRESSION_METHODS:
             raise ValueError(f"kv_compression.method={self.method!r} is invalid: expected one of "
                              f"{COMPRESSION_METHODS}")
+        if self.recent is not None and (not isinstance(self.recent, int) or isinstance(self.recent, bool)
+                                        or self.recent < 0):
+            raise ValueError(f"kv_compression.recent={self.recent!r} is invalid: expected an integer >= 0 or None")
         for name in ("budget", "sink"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "budget" else 0):
@@ -58,20 +71,29 @@ class KVCompressionConfig:
     def sink_blocks(self, block_size: int) -> int:
         return -(-self.sink // block_size)
 
+    def protected_blocks(self, block_size: int) -> int:
+        """Blocks never dropped besides the one being filled: the sinks (streaming) or the recent window (h2o)."""
+        if self.method == "h2o":
+            recent = self.budget // 2 if self.recent is None else self.recent
+            return -(-recent // block_size)
+        return self.sink_blocks(block_size)
+
     def budget_blocks(self, block_size: int) -> int:
         return self.budget // block_size
 
     def check(self, block_size: int) -> None:
-        """The budget must hold the sinks plus two blocks (the one being filled and one of window)."""
-        if self.budget_blocks(block_size) < self.sink_blocks(block_size) + 2:
-            need = (self.sink_blocks(block_size) + 2) * block_size
+        """The budget must hold the protected blocks (sinks, or h2o's recent window) plus two: the one being filled
+        and one that can be dropped."""
+        if self.budget_blocks(block_size) < self.protected_blocks(block_size) + 2:
+            need = (self.protected_blocks(block_size) + 2) * block_size
+            what = f"recent={self.recent}" if self.method == "h2o" else f"sink={self.sink}"
             raise ValueError(f"kv_compression.budget={self.budget} is invalid: with block_size={block_size} and "
-                             f"sink={self.sink} it must be at least {need} tokens")
+                             f"{what} it must be at least {need} tokens")
 
     def max_new_tokens(self, block_size: int) -> int:
         """The most tokens one step may add to a request: what remains once every window block is dropped (a
         partly filled last block may stay)."""
-        return (self.budget_blocks(block_size) - self.sink_blocks(block_size) - 1) * block_size
+        return (self.budget_blocks(block_size) - self.protected_blocks(block_size) - 1) * block_size
 
 
 def plan_drop(cfg: KVCompressionConfig, cache_len: int, num_new: int, block_size: int) -> int:
@@ -86,3 +108,20 @@ def plan_drop(cfg: KVCompressionConfig, cache_len: int, num_new: int, block_size
         raise ValueError(f"plan_drop: {num_new} new tokens on {cache_len} cached ones cannot fit the budget of "
                          f"{cfg.budget} tokens (at most {cfg.max_new_tokens(block_size)} new tokens a step)")
     return over
+
+
+def plan_h2o_drop(cfg: KVCompressionConfig, cache_len: int, num_new: int, block_size: int,
+                  scores: list[float]) -> list[int]:
+    """H2O's choice: the table indices (ascending) of the blocks to drop so that ``num_new`` tokens (at most
+    ``cfg.max_new_tokens``) fit the budget on ``cache_len`` cached ones. Candidates are the full blocks before the
+    recent window; those with the smallest accumulated attention score go first (the older of equal ones).
+    ``scores[i]`` is block ``i``'s score (missing entries count 0)."""
+    over = -(-(cache_len + num_new) // block_size) - cfg.budget_blocks(block_size)
+    if over <= 0:
+        return []
+    candidates = max(0, cache_len // block_size - cfg.protected_blocks(block_size))
+    if over > candidates:
+        raise ValueError(f"plan_h2o_drop: {num_new} new tokens on {cache_len} cached ones cannot fit the budget of "
+                         f"{cfg.budget} tokens (at most {cfg.max_new_tokens(block_size)} new tokens a step)")
+    order = sorted(range(candidates), key=lambda i: (scores[i] if i < len(scores) else 0.0, i))
+    return sorted(order[:over])

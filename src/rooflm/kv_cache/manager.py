@@ -46,6 +46,9 @@ class KVCacheManager:
         self._last_block_hash: dict[str, int | None] = {}
         # (src_block_id, dst_block_id) copies queued by copy-on-write, to run before the next forward pass.
         self._pending_copies: list[tuple[int, int]] = []
+        # The prefix cache's host tier (rooflm.kv_cache.host_tier.HostPrefixTier) when kv_offload_gb > 0: forgotten
+        # with the device entries by reset_prefix_cache.
+        self.host_tier = None
         # Prefix-cache statistics, in tokens.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -76,6 +79,8 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         """Forget all cached prefixes (blocks in use stay allocated) and the hit statistics."""
         self.block_pool.reset_prefix_cache()
+        if self.host_tier is not None:
+            self.host_tier.reset()
         self.prefix_queries = 0
         self.prefix_hits = 0
 

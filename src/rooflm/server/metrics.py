@@ -80,6 +80,16 @@ class _EngineCollector(Collector):
         yield counter("rooflm_engine_steps", "Engine steps run.", s.num_steps)
         yield gauge("rooflm_engine_alive", "1 while the engine loop runs, 0 once it stopped.",
                     1.0 if self.engine.is_running else 0.0)
+        if s.host_cache_enabled:  # kv_offload_gb > 0
+            yield counter("rooflm_host_cache_hits", "Prompt tokens restored from the prefix cache's host tier.",
+                          s.host_cache_hits)
+            yield counter("rooflm_host_cache_misses", "Full-block prompt tokens found neither on the device nor on "
+                          "the host.", s.host_cache_misses)
+            yield gauge("rooflm_host_cache_blocks", "KV blocks held in the host tier.", s.host_cache_blocks)
+            yield counter("rooflm_host_cache_offloaded_bytes", "Bytes copied from the device to the host tier.",
+                          s.host_cache_bytes_offloaded)
+            yield counter("rooflm_host_cache_restored_bytes", "Bytes copied from the host tier back to the device.",
+                          s.host_cache_bytes_restored)
         if s.spec_verifications:
             yield counter("rooflm_spec_decode_draft_tokens", "Speculative draft tokens verified.", s.spec_draft_tokens)
             yield counter("rooflm_spec_decode_accepted_tokens", "Speculative draft tokens accepted.",

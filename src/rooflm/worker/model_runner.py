@@ -54,6 +54,7 @@ class StepHandle:
         self._on_spec = on_spec
         self._result: ModelRunnerOutput | None = None
         self._event = None
+        self.block_scores: dict[str, list[float]] = {}  # H2O's per-block attention scores, already on the host
         pin = device.type == "cuda"
         # Start the device-to-host copies now (pinned, non-blocking); get() waits on one event.
         self._sampled = _to_host(sampled, pin)
@@ -79,7 +80,8 @@ class StepHandle:
             for rid, row, a in zip(self._spec_ids, self._spec_tokens.tolist(), accepted):
                 tokens[rid] = row[:a + 1]
             self._on_spec(self._spec_ids, accepted)
-        out = ModelRunnerOutput(self.req_ids, [tokens[rid] for rid in self.req_ids], draft_token_ids=self._drafts)
+        out = ModelRunnerOutput(self.req_ids, [tokens[rid] for rid in self.req_ids], draft_token_ids=self._drafts,
+                                block_scores=self.block_scores)
         if self._lp_ids is not None:
             dicts = logprobs_to_dicts(self._lp_ids, self._lp_vals, [k or 0 for k in self._want])
             chosen = self._lp_vals[:, 0].tolist()
@@ -127,6 +129,7 @@ class ModelRunner:
         self.graph_runner = None  # decode CUDA graphs (worker/cuda_graphs.py), set by capture_graphs()
         self.drafter = None  # a model-based speculative proposer (spec_decode/drafter.py), set by the engine
         self.swap_space = None  # HostSwapSpace (worker/swap_space.py) under swap preemption
+        self.kv_offload = None  # HostSwapSpace of the prefix cache's host tier (worker/kv_offload.py)
 
     def capture_graphs(self, max_num_seqs: int) -> None:
         """Capture decode CUDA graphs (the runner's one graph-or-eager choice is made per step in ``execute``)."""
@@ -145,8 +148,9 @@ class ModelRunner:
         for new in out.new_reqs:
             self.batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.params, new.generator,
                            new.block_ids, new.num_computed_tokens)
-        for rid, (start, n) in out.kv_dropped.items():  # before the new blocks are appended
-            self.batch.drop_blocks(rid, start, n, self.block_size)
+        for rid, ranges in out.kv_dropped.items():  # before the new blocks are appended
+            for start, n in ranges:
+                self.batch.drop_blocks(rid, start, n, self.block_size)
         for c in out.cached_reqs:
             self.batch.append_blocks(c.req_id, c.new_block_ids)
 
@@ -251,12 +255,25 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepHandle:
         self._update_states(out)
+        # device blocks are read (offloads, swap-outs) before any is written (swap-ins, restores): a block freed
+        # this step may already be handed out again
+        if self.kv_offload is not None:
+            self.kv_offload.run(self.kv_caches, out.kv_offload_out, [])
         if self.swap_space is not None:
             self.swap_space.run(self.kv_caches, out.blocks_to_swap_out, out.blocks_to_swap_in)
+        if self.kv_offload is not None:
+            self.kv_offload.run(self.kv_caches, [], out.kv_offload_in)
         self._copy_blocks(out.blocks_to_copy)
         states, ids, pos, meta, sample_idx, spec_idx, rows_t = self._prepare(out)
+        if out.attn_score_req_ids:
+            from rooflm.attention.h2o_scores import BlockScoreCollector
+
+            batch_index = {rid: i for i, rid in enumerate(out.num_scheduled_tokens)}
+            meta.attn_scores = BlockScoreCollector([(r, batch_index[r]) for r in out.attn_score_req_ids],
+                                                   self.block_size, meta.block_tables, meta.query_start_loc_cpu,
+                                                   meta.seq_lens_cpu)
         graph_logits = None
-        if self.graph_runner is not None and self.graph_runner.can_run(meta):
+        if self.graph_runner is not None and meta.attn_scores is None and self.graph_runner.can_run(meta):
             hidden = self.graph_runner.run(ids, pos, meta)
             graph_logits = self.graph_runner.logits  # [num_seqs, vocab]: the LM head is in the graph too
         else:
@@ -290,10 +307,13 @@ class ModelRunner:
                 self.drafter.observe(rows, hidden[torch.tensor(sample_idx, device=self.device)])
         spec_out = self._verify(spec, out, hidden, spec_idx) if spec else (None, None)
         drafts = self._draft(plain, spec, spec_out[1]) if self.drafter is not None else None
-        return StepHandle(req_ids, [s.req_id for s in plain], so.sampled_token_ids if so else None,
-                          so.logprob_token_ids if so else None, so.logprobs if so else None,
-                          [s.params.logprobs for s in plain], prompt_lp, self.device,
-                          [s.req_id for s in spec], spec_out[0], spec_out[1], self._spec_verified, drafts)
+        handle = StepHandle(req_ids, [s.req_id for s in plain], so.sampled_token_ids if so else None,
+                            so.logprob_token_ids if so else None, so.logprobs if so else None,
+                            [s.params.logprobs for s in plain], prompt_lp, self.device,
+                            [s.req_id for s in spec], spec_out[0], spec_out[1], self._spec_verified, drafts)
+        if meta.attn_scores is not None:
+            handle.block_scores = meta.attn_scores.to_lists()
+        return handle
 
     def _draft(self, plain: list[CachedRequestState], spec: list[CachedRequestState],
                accepted: torch.Tensor | None) -> dict[str, list[int]]:
