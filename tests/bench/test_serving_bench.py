@@ -9,9 +9,9 @@ import statistics
 import pytest
 
 from rooflm.bench import datasets
+from rooflm.bench.clients import percentile as _percentile
 from rooflm.bench.serving import (
     RequestResult,
-    _percentile,
     _validate,
     add_arguments,
     compute_metrics,

@@ -28,7 +28,9 @@ class ClientResult(Protocol):
     output_len: int
 
 
-def _percentile(xs: Sequence[float], p: float) -> float:
+def percentile(xs: Sequence[float], p: float) -> float:
+    """The ``p``-th percentile of ``xs`` (0 when empty), interpolating linearly between closest ranks (numpy's
+    default)."""
     if not xs:
         return 0.0
     s = sorted(xs)
@@ -40,8 +42,8 @@ def _percentile(xs: Sequence[float], p: float) -> float:
 
 def jct_stats(latencies_s: Sequence[float]) -> dict[str, float]:
     ms = [x * 1000 for x in latencies_s]
-    return {"mean_jct_ms": statistics.fmean(ms) if ms else 0.0, "p50_jct_ms": _percentile(ms, 50),
-            "p99_jct_ms": _percentile(ms, 99)}
+    return {"mean_jct_ms": statistics.fmean(ms) if ms else 0.0, "p50_jct_ms": percentile(ms, 50),
+            "p99_jct_ms": percentile(ms, 99)}
 
 
 def _service_by(r: ClientResult, t: float, w_in: float, w_out: float) -> float:

@@ -31,6 +31,7 @@ from datetime import datetime
 from typing import Any
 
 from rooflm.bench import datasets, workloads
+from rooflm.bench.clients import percentile
 from rooflm.bench.clients import format_clients, jct_stats, per_client_metrics
 from rooflm.bench.output import add_output_args, check_output_args, describe_error, report_stream, write_outputs
 
@@ -151,16 +152,6 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
     return slos
 
 
-def _percentile(values: list[float], p: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        return 0.0
-    xs = sorted(values)
-    k = (len(xs) - 1) * p / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def _tpot(r: RequestResult) -> float | None:
     return (r.latency - r.ttft) / (r.output_len - 1) if r.output_len > 1 else None
 
@@ -202,7 +193,7 @@ def compute_metrics(results: list[RequestResult], duration: float, percentiles: 
         m[f"median_{name}_ms"] = statistics.median(xs) if xs else 0.0
         m[f"std_{name}_ms"] = statistics.pstdev(xs) if xs else 0.0
         for p in percentiles:
-            m[f"p{p:g}_{name}_ms"] = _percentile(xs, p)
+            m[f"p{p:g}_{name}_ms"] = percentile(xs, p)
     return m
 
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from rooflm.bench import datasets
+from rooflm.bench.clients import percentile
 
 SLO_REJECTED_CODE = "ttft_slo_unattainable"  # the server's error code for a request refused by admission
 DATASETS = ("sharegpt-like", "fixed", "heavy-tailed", "multi-client", "priority")
@@ -102,24 +103,13 @@ def idle_requests(requests: Sequence[datasets.SampleRequest], windows: datasets.
             for r in requests if r.priority == datasets.HIGH_PRIORITY]
 
 
-def _percentile(values: Sequence[float], p: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        return 0.0
-    xs = sorted(values)
-    k = (len(xs) - 1) * p / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def ttft_stats(results: Sequence[TTFTResult]) -> dict[str, Any]:
     """count, completed and the TTFT mean / p50 / p99 (ms) of the completed ones."""
     xs = [r.ttft * 1000 for r in results if r.success]
     return {"count": len(results), "completed": len(xs),
             "mean_ttft_ms": statistics.fmean(xs) if xs else None,
-            "p50_ttft_ms": _percentile(xs, 50) if xs else None,
-            "p99_ttft_ms": _percentile(xs, 99) if xs else None}
+            "p50_ttft_ms": percentile(xs, 50) if xs else None,
+            "p99_ttft_ms": percentile(xs, 99) if xs else None}
 
 
 def priority_report(results: Sequence[TTFTResult], requests: Sequence[datasets.SampleRequest],
