@@ -114,23 +114,19 @@ def _small_llama(tmp_path, name: str, layers: int) -> str:
     return str(path)
 
 
-def test_sampled_tokens_with_a_draft_model_follow_the_target(tmp_path):
-    """End to end at temperature 1, a 16-token vocabulary: the first two output tokens' joint distribution is the
-    target's p(t1) p(t2 | t1), computed directly from the model, although t2 always comes out of rejection sampling
-    against a different (random 1-layer) draft model's distribution (chi-square over the 256 pairs)."""
-    import math
-
+def peaked_target_and_joint(tmp_path):
+    """A random 2-layer model of ``_small_llama``'s 16-token vocabulary with its LM head scaled up (peaked, so that a
+    wrong acceptance rule shows), a prompt, and the target's p(t1) [16] and joint p(t1) p(t2 | t1) [256] after it,
+    computed directly from the model: what the chi-square tests of sampled speculation compare against."""
     import torch
 
     from rooflm.attention.metadata_utils import allocate_kv_caches, single_sequence_metadata
-    from rooflm.config import EngineConfig
-    from rooflm.engine.engine import LLMEngine
     from rooflm.loader import load_model
 
     target, cfg = load_model(_small_llama(tmp_path, "target", 2), load_format="dummy", dtype=torch.float32,
                              device="cpu", show_progress=False)
     with torch.no_grad():
-        target.lm_head.weight.mul_(3.0)  # (tied to the embedding) peaked, far from the near-uniform draft
+        target.lm_head.weight.mul_(3.0)  # tied to the embedding
     prompt = [3, 7, 1]
 
     def probs(ids: list[int]) -> torch.Tensor:
@@ -141,7 +137,22 @@ def test_sampled_tokens_with_a_draft_model_follow_the_target(tmp_path):
             return torch.softmax(target.compute_logits(hidden[-1:]), dim=-1)[0]
 
     p1 = probs(prompt)
-    joint = torch.stack([p1[a] * probs(prompt + [a]) for a in range(16)]).flatten()  # [256]
+    joint = torch.stack([p1[a] * probs(prompt + [a]) for a in range(16)]).flatten()
+    return target, cfg, prompt, p1, joint
+
+
+def test_sampled_tokens_with_a_draft_model_follow_the_target(tmp_path):
+    """End to end at temperature 1, a 16-token vocabulary: the first two output tokens' joint distribution is the
+    target's p(t1) p(t2 | t1), computed directly from the model, although t2 always comes out of rejection sampling
+    against a different (random 1-layer) draft model's distribution (chi-square over the 256 pairs)."""
+    import math
+
+    import torch
+
+    from rooflm.config import EngineConfig
+    from rooflm.engine.engine import LLMEngine
+
+    target, cfg, prompt, p1, joint = peaked_target_and_joint(tmp_path)
     assert p1.max() > 0.2  # not uniform: a wrong acceptance rule would show
     spec = {"method": "draft_model", "model": _small_llama(tmp_path, "draft", 1), "load_format": "dummy",
             "num_speculative_tokens": 2, "auto_disable": False}

@@ -111,29 +111,13 @@ def test_sampled_tokens_with_a_medusa_tree_follow_the_target(tmp_path):
     """End to end at temperature 1, a 16-token vocabulary: the first two output tokens' joint distribution is the
     target's p(t1) p(t2 | t1), computed directly from the model, although t2 comes out of SpecInfer's multi-candidate
     tree verification against random heads' candidates (chi-square over the 256 pairs)."""
-    from test_spec_draft import _small_llama
+    from test_spec_draft import peaked_target_and_joint
     from unit.stat_checks import chi2_ok
 
-    from rooflm.attention.metadata_utils import allocate_kv_caches, single_sequence_metadata
     from rooflm.config import EngineConfig
     from rooflm.engine.engine import LLMEngine
-    from rooflm.loader import load_model
 
-    target, cfg = load_model(_small_llama(tmp_path, "target", 2), load_format="dummy", dtype=torch.float32,
-                             device="cpu", show_progress=False)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(3.0)  # (tied to the embedding) peaked: a wrong acceptance rule would show
-    prompt = [3, 7, 1]
-
-    def probs(ids: list[int]) -> torch.Tensor:
-        caches = allocate_kv_caches(cfg.num_hidden_layers, 1, 16, cfg.num_key_value_heads, cfg.head_dim)
-        meta, pos = single_sequence_metadata(0, len(ids), 16)
-        with torch.inference_mode():
-            hidden = target(torch.tensor(ids), pos, caches, meta)
-            return torch.softmax(target.compute_logits(hidden[-1:]), dim=-1)[0]
-
-    p1 = probs(prompt)
-    joint = torch.stack([p1[a] * probs(prompt + [a]) for a in range(16)]).flatten()  # [256]
+    target, cfg, prompt, _, joint = peaked_target_and_joint(tmp_path)
     heads = tmp_path / "heads"
     save_medusa_heads(_heads(cfg, 2, 1.0, seed=3), heads, model_identity(cfg, None))
     spec = _spec(str(heads), 2, tree=[[0], [1], [2], [0, 0], [0, 1], [1, 0]])
