@@ -27,19 +27,13 @@ import time
 from dataclasses import dataclass
 
 from rooflm.bench.output import add_output_args, check_output_args, report_stream, write_outputs
-from rooflm.bench.preflight import note
+from rooflm.bench.preflight import add_model_args, note
 
 __all__ = ["add_arguments", "run", "make_conversations", "pool_blocks", "run_trace"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama-2-7b", help="named config, checkpoint folder or .gguf (default: the "
-                   "embedded SmolLM2-135M without a GPU, llama-2-7b with one)")
-    p.add_argument("--load-format", default="dummy", help="auto, dummy (random weights), safetensors, gguf "
-                   "(default: dummy with a GPU, auto without)")
-    p.add_argument("--dtype", default="float16",
-                   help="float16, bfloat16 or float32 (default: float16 with a GPU, float32 without)")
-    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+    add_model_args(p)
     p.add_argument("--quantization", default=None, help="as the engine's quantization (default: the checkpoint's)")
     p.add_argument("--num-users", type=int, default=8, help="conversations running at once")
     p.add_argument("--num-turns", type=int, default=4, help="turns per conversation")

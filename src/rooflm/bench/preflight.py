@@ -26,6 +26,18 @@ def add_yes_arg(p: argparse.ArgumentParser) -> None:
                    help=f"run even when the roofline predicts more than {LONG_RUN_S:.0f} s for the whole benchmark")
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """``--model``, ``--load-format``, ``--dtype``, ``--device`` with the GPU defaults (``bench throughput`` and
+    ``bench multiturn``; the CLI swaps in the CPU defaults the help names when no GPU is present)."""
+    p.add_argument("--model", default="llama-2-7b", help="named config, checkpoint folder or .gguf (default: the "
+                   "embedded SmolLM2-135M GGUF without a GPU, llama-2-7b with one)")
+    p.add_argument("--load-format", default="dummy", help="auto, dummy (random weights), safetensors, gguf "
+                   "(default: dummy with a GPU, auto without)")
+    p.add_argument("--dtype", default="float16",
+                   help="float16, bfloat16 or float32 (default: float16 with a GPU, float32 without)")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+
+
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     """``-tp``, ``-pp`` and ``--enable-expert-parallel``, as the engine's options (``bench latency`` / ``throughput``)."""
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,

@@ -19,18 +19,12 @@ import sys
 import time
 
 from rooflm.bench.output import add_output_args, check_output_args, report_stream, write_outputs
-from rooflm.bench.preflight import add_parallel_args, add_yes_arg, note
+from rooflm.bench.preflight import add_model_args, add_parallel_args, add_yes_arg, note
 from rooflm.bench.reports import throughput_lines
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama-2-7b", help="named config, checkpoint folder or .gguf (default: the "
-                   "embedded SmolLM2-135M GGUF without a GPU, llama-2-7b with one)")
-    p.add_argument("--load-format", default="dummy", help="auto, dummy (random weights), safetensors, gguf "
-                   "(default: dummy with a GPU, auto without)")
-    p.add_argument("--dtype", default="float16",
-                   help="float16, bfloat16 or float32 (default: float16 with a GPU, float32 without)")
-    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+    add_model_args(p)
     p.add_argument("--num-prompts", type=int, default=256, help="requests in the batch")
     p.add_argument("--input-len", type=int, default=512,
                    help="prompt tokens per request (default: 512 with a GPU, 128 without)")
