@@ -49,3 +49,27 @@ def test_timed_pick_is_a_candidate_and_correct(monkeypatch):
         assert cfg in quant_gemm.candidates(m, 2048, 4096, 4, 128, sms)
         check(m, pw, torch.float16, "cuda", bias=False, cfg=cfg)
     assert len(quant_gemm._picked) == 2
+
+
+@pytest.mark.parametrize("asm", [0, 1, 2])
+@pytest.mark.parametrize("group", [32, 128, "channel"])
+@pytest.mark.parametrize("mins", [True, False])
+def test_ptx_conversions_of_4bit_codes(asm, group, mins):
+    """The lop3 / f16x2 conversions of 4-bit codes (asm 1: codes only, asm 2: also scale and min) against the float64
+    twin, for the GEMV, the flat GEMM and the GEMM tiles, nibbles in column or byte order, with and without mins, one
+    group a tile and groups gathered per column (asm 2 falls back to 1 there), odd N."""
+    from dataclasses import replace
+
+    from rooflm.kernels.quant_gemm import asm_level, default_config, per_row_scales
+
+    k = 4096
+    g = k if group == "channel" else group
+    pw = make_packed(1029, k, 4, g, mins=mins, perm=False, dtype=torch.float16, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m in (1, 9, 40):
+        for xs in (0, 1, 2):  # nibbles put back in column order, or kept in byte order (x strided or split)
+            cfg = replace(default_config(m, 1029, k, 4, g, sms), asm=asm, x_split=xs)
+            x = torch.zeros(m, k, device="cuda", dtype=torch.float16)
+            per_row = per_row_scales(cfg, k, g)
+            assert asm_level(cfg, x, pw, per_row) == (asm if asm < 2 or per_row else 1)
+            check(m, pw, torch.float16, "cuda", bias=m == 9, cfg=cfg)

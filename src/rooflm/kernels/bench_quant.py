@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 
 import torch
 
@@ -43,11 +44,12 @@ def sweep_configs(m: int, bits: int) -> list:
     else:
         grid = [(64, 128, 64, s, 4, 3) for s in (1, 2)] + [(64, 64, 64, s, 4, 3) for s in (1, 2)]
         grid += [(64, 128, 128, 1, 8, 3), (128, 128, 64, 1, 8, 3), (64, 256, 64, 1, 8, 3)]
-    return [QuantMMConfig(*g, x_split=x) for g in grid for x in xs]
+    asms = (0, 1, 2) if bits == 4 else (0,)  # the PTX conversions of 4-bit codes
+    return [QuantMMConfig(*g, x_split=x, asm=a) for g in grid for x in xs for a in asms]
 
 
 def bench(ms=(1, 16, 64), sweep: bool = False, sweep_shapes=("qkv", "down"),
-          dtype=torch.float16) -> tuple[dict, list[dict]]:
+          dtype=torch.float16, formats=tuple(FORMATS)) -> tuple[dict, list[dict]]:
     from rooflm.kernels.gemv import time_in_graph, weight_copies
     from rooflm.kernels.quant_gemm import launch, pick_config
     from rooflm.quantization.rtn import quantize_rtn
@@ -63,7 +65,7 @@ def bench(ms=(1, 16, 64), sweep: bool = False, sweep_shapes=("qkv", "down"),
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, dtype=dtype, device=dev) / math.sqrt(k)
         fp16_copies = weight_copies(w)
-        packed = {f: quantize_rtn(w, bits, g) for f, (bits, g) in FORMATS.items()}
+        packed = {f: quantize_rtn(w, bits, g) for f, (bits, g) in FORMATS.items() if f in formats}
         for m in ms:
             x = torch.randn(m, k, dtype=dtype, device=dev)
             t16 = time_in_graph(lambda ww: torch.nn.functional.linear(x, ww), fp16_copies, dev)
@@ -76,6 +78,14 @@ def bench(ms=(1, 16, 64), sweep: bool = False, sweep_shapes=("qkv", "down"),
                        "gbps": round(gbps, 1), "frac_copy_bw": round(gbps / copy_gbps, 3),
                        "fp16_us": round(t16 * 1e3, 2), "speedup_vs_fp16": round(t16 / t, 2),
                        "tflops": round(2 * m * n * k / t / 1e9, 1), "config": _short(cfg)}
+                if pw.bits == 4:  # the three conversions of 4-bit codes, same tiles
+                    ref = launch(x, pw, None, replace(cfg, asm=0)).float()
+                    row["asm_us"], row["asm_max_rel_err"] = {}, {}
+                    for a in (0, 1, 2):
+                        ca = replace(cfg, asm=a)
+                        ta = time_in_graph(lambda p, c=ca: launch(x, p, None, c), copies, dev)
+                        err = (launch(x, pw, None, ca).float() - ref).abs().max() / ref.abs().max()
+                        row["asm_us"][a], row["asm_max_rel_err"][a] = round(ta * 1e3, 2), float(f"{err:.2e}")
                 if sweep and name in sweep_shapes and fmt != "w4g32":
                     res = []
                     for c in sweep_configs(m, pw.bits):
@@ -94,13 +104,15 @@ def bench(ms=(1, 16, 64), sweep: bool = False, sweep_shapes=("qkv", "down"),
 
 
 def _short(c) -> str:
-    return f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}w{c.num_warps}p{c.num_stages}x{c.x_split}"
+    return f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}w{c.num_warps}p{c.num_stages}x{c.x_split}a{c.asm}"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ms", default="1,16,64", help="row counts M, comma-separated")
     p.add_argument("--sweep", action="store_true", help="also time a grid of block configurations")
+    p.add_argument("--formats", default=",".join(FORMATS), help=f"weight formats among {','.join(FORMATS)}")
+    p.add_argument("--shapes", default="qkv,down", help="the projections --sweep times")
     p.add_argument("--tune", action="store_true", help="let quant_linear time its candidates (ROOFLM_QUANT_TUNE=1)")
     p.add_argument("--json", default=None, help="write every figure to this file")
     args = p.parse_args(argv)
@@ -110,7 +122,12 @@ def main(argv=None) -> int:
         import os
 
         os.environ["ROOFLM_QUANT_TUNE"] = "1"
-    head, rows = bench(tuple(int(v) for v in args.ms.split(",")), sweep=args.sweep)
+    formats = tuple(args.formats.split(","))
+    for f in formats:
+        if f not in FORMATS:
+            raise SystemExit(f"--formats {args.formats}: {f!r} is not one of {', '.join(FORMATS)}")
+    head, rows = bench(tuple(int(v) for v in args.ms.split(",")), sweep=args.sweep,
+                       sweep_shapes=tuple(args.shapes.split(",")), formats=formats)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ceilings": head, "rows": rows}, f, indent=1)

@@ -81,6 +81,58 @@ def _s8_to_f32(q):
     return (q.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
 
 
+# Two 4-bit codes per 32-bit instruction (ASM > 0, CUDA only; the interpreter cannot run PTX). The bytes b0..b3 of a
+# 32-bit word are first permuted to b0 b2 b1 b3 (prmt), so that a word holds b0 and b1 in its two 16-bit halves and the
+# same word shifted right by 8 holds b2 and b3. ``lop3`` ((a & mask) | magic in one instruction) then ORs a nibble into
+# the mantissa of 1024.0 in each half: 0x6400 | q is the float16 1024 + q, exact, and one sub.f16x2 takes the 1024 off
+# both halves at once. High nibbles are read in place (mask 0x00F000F0): 1024 + 16 q, which one fma.f16x2 by 1/16 and
+# -64 turns into q. Eight codes cost one prmt, one shift, four lop3 and four f16x2 operations, against about three
+# 32-bit operations per code for the float32 magic number above (the conversion FasterTransformer and Marlin use;
+# Kim et al. 2022). ASM == 2 also applies the group's scale and min in float16x2 (fma.rn.f16x2: one rounding, the
+# precision of the float16 operand that tl.dot receives anyway).
+_I4_F16_HEAD = """
+{
+.reg .b32 t, t2, z, c, d;
+mov.b32 z, 0;
+prmt.b32 t, $4, z, 0x3120;
+shr.b32 t2, t, 8;
+lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 $1, t2, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 $2, t, 0x00F000F0, 0x64006400, 0xEA;
+lop3.b32 $3, t2, 0x00F000F0, 0x64006400, 0xEA;
+mov.b32 c, 0x64006400;
+sub.f16x2 $0, $0, c;
+sub.f16x2 $1, $1, c;
+mov.b32 c, 0x2C002C00;
+mov.b32 d, 0xD400D400;
+fma.rn.f16x2 $2, $2, c, d;
+fma.rn.f16x2 $3, $3, c, d;
+"""
+
+
+# Triton reads globals inside a kernel only as constexpr.
+_I4_F16_ASM = tl.constexpr(_I4_F16_HEAD + "}")
+_I4_F16_SCALED_ASM = tl.constexpr(_I4_F16_HEAD + """fma.rn.f16x2 $0, $0, $5, $7;
+fma.rn.f16x2 $1, $1, $6, $8;
+fma.rn.f16x2 $2, $2, $5, $7;
+fma.rn.f16x2 $3, $3, $6, $8;
+}""")
+
+
+@triton.jit
+def _i4_to_f16(q):
+    """uint8 [.., W] -> (low nibbles, high nibbles) as float16 [.., W], exact."""
+    return tl.inline_asm_elementwise(_I4_F16_ASM, "=r,=r,=r,=r,r", [q], dtype=(tl.float16, tl.float16),
+                                     is_pure=True, pack=4)
+
+
+@triton.jit
+def _i4_to_f16_scaled(q, s, m):
+    """uint8 [.., W], float16 scales and mins broadcast to [.., W] -> (lo * s + m, hi * s + m) in float16."""
+    return tl.inline_asm_elementwise(_I4_F16_SCALED_ASM, "=r,=r,=r,=r,r,r,r,r,r", [q, s, m],
+                                     dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
 @triton.jit
 def _mma(a, b, F32: tl.constexpr):
     """tl.dot in float32 accumulation. F32: the inputs go in as float32 with exact (IEEE) products -- float32
@@ -112,7 +164,7 @@ def _quant_mm_kernel(
     stride_xm, stride_qn, stride_sn, stride_om, stride_os,
     BITS: tl.constexpr, HAS_MIN: tl.constexpr, HAS_BIAS: tl.constexpr, PER_ROW: tl.constexpr,
     X_SPLIT: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    F32_DOT: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # PER_ROW: the tile lies in one group (one scale and min a row), else they are gathered per column.
     # X_SPLIT (4 bits): 0 = the low and high nibbles are interleaved back into column order (tl.interleave) and meet
@@ -185,8 +237,16 @@ def _quant_mm_kernel(
             mn = 0.0
 
         if BYTE_ORDER:
-            w_lo = _u_to_f32(q & 0xF) * s + mn
-            w_hi = _u_to_f32(q >> 4) * s + mn
+            if ASM == 1:
+                lo, hi = _i4_to_f16(q)
+                w_lo = lo.to(tl.float32) * s + mn
+                w_hi = hi.to(tl.float32) * s + mn
+            elif ASM == 2:  # PER_ROW: s and mn are [BLOCK_N, 1]
+                w_lo, w_hi = _i4_to_f16_scaled(q, tl.broadcast_to(s.to(tl.float16), q.shape),
+                                               tl.broadcast_to((s * 0.0 + mn).to(tl.float16), q.shape))
+            else:
+                w_lo = _u_to_f32(q & 0xF) * s + mn
+                w_hi = _u_to_f32(q >> 4) * s + mn
             if X_SPLIT == 1:
                 x_lo = _load_x(x_rows, even, mask_m, bmask, BLOCK_M, EVEN_K)
                 x_hi = _load_x(x_rows, even + 1, mask_m, bmask, BLOCK_M, EVEN_K)
@@ -203,7 +263,16 @@ def _quant_mm_kernel(
                 acc += _mma(x_hi, tl.trans(w_hi.to(x_ptr.dtype.element_ty)), F32_DOT)
         else:
             if BITS == 4:
-                w = tl.interleave(_u_to_f32(q & 0xF), _u_to_f32(q >> 4)) * s + mn
+                if ASM == 1:
+                    lo, hi = _i4_to_f16(q)
+                    w = tl.interleave(lo, hi).to(tl.float32) * s + mn
+                elif ASM == 2:  # PER_ROW: s and mn are [BLOCK_N, 1]
+                    s16 = tl.broadcast_to(s.to(tl.float16), q.shape)
+                    m16 = tl.broadcast_to((s * 0.0 + mn).to(tl.float16), q.shape)
+                    lo, hi = _i4_to_f16_scaled(q, s16, m16)
+                    w = tl.interleave(lo, hi)
+                else:
+                    w = tl.interleave(_u_to_f32(q & 0xF), _u_to_f32(q >> 4)) * s + mn
             else:
                 w = _s8_to_f32(q) * s + mn
             xv = _load_x(x_rows, cols, mask_m, mask_k, BLOCK_M, EVEN_K)
@@ -243,6 +312,7 @@ class QuantMMConfig:
     num_warps: int = 4
     num_stages: int = 3
     x_split: int = 0
+    asm: int = 0  # 4 bits, float16 x on CUDA: 1 = codes via PTX (lop3), 2 = also scale and min in f16x2
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -258,6 +328,8 @@ class QuantMMConfig:
             raise ValueError(f"x_split={self.x_split} must be 0, 1 or 2")
         if self.split_k < 1:
             raise ValueError(f"split_k={self.split_k} must be >= 1")
+        if self.asm not in (0, 1, 2):
+            raise ValueError(f"asm={self.asm} must be 0, 1 or 2")
 
     def supports(self, m: int) -> bool:
         return m == 1 if self.block_m == 1 else m >= 1
@@ -286,6 +358,14 @@ def per_row_scales(cfg: QuantMMConfig, k: int, group_size: int) -> bool:
     return group_size == k or group_size % cfg.block_k == 0
 
 
+def asm_level(cfg: QuantMMConfig, x: torch.Tensor, pw: PackedWeight, per_row: bool) -> int:
+    """The PTX conversion ``cfg.asm`` asks for where it applies (4-bit codes, float16 x on a CUDA device; level 2 also
+    needs one scale a row and tile), else 0: the float32 conversion, which runs everywhere."""
+    if cfg.asm == 0 or pw.bits != 4 or x.dtype != torch.float16 or not x.is_cuda or interpreting():
+        return 0
+    return cfg.asm if cfg.asm == 1 or per_row else 1
+
+
 def launch(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, cfg: QuantMMConfig) -> torch.Tensor:
     """out = x @ dequantize(pw, stored column order).T (+ bias) with one configuration; x [M, K] already gathered by
     pw.perm and contiguous in its last dim. Callers check shapes (``check_packed``)."""
@@ -309,13 +389,15 @@ def launch(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, cfg: Qu
         stride_s = dst.stride(0)
     b = bias if bias is not None else pw.scales
     f32_dot = x.dtype == torch.float32 or (interpreting() and x.dtype == torch.bfloat16)
+    per_row = per_row_scales(cfg, K, G)
+    asm = asm_level(cfg, x, pw, per_row)
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), split)
     _quant_mm_kernel[grid](
         x, pw.qweight, pw.scales, pw.mins if pw.mins is not None else pw.scales, b, dst,
         M, N, K, G, k_per_split, x.stride(0), pw.qweight.stride(0), pw.scales.stride(0), dst.stride(-2), stride_s,
-        BITS=pw.bits, HAS_MIN=pw.mins is not None, HAS_BIAS=bias is not None, PER_ROW=per_row_scales(cfg, K, G),
+        BITS=pw.bits, HAS_MIN=pw.mins is not None, HAS_BIAS=bias is not None, PER_ROW=per_row,
         X_SPLIT=cfg.x_split, SPLIT=split,
-        EVEN_N=N % cfg.block_n == 0, EVEN_K=K % bk == 0, F32_DOT=f32_dot,
+        EVEN_N=N % cfg.block_n == 0, EVEN_K=K % bk == 0, F32_DOT=f32_dot, ASM=asm,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -336,6 +418,15 @@ def _within_groups(bk: int, k: int, group_size: int, least: int) -> int:
     return b if group_size % b == 0 else bk
 
 
+def default_asm(bits: int, x_split: int) -> int:
+    """The PTX conversion level of 4-bit tiles: ``ROOFLM_QUANT_ASM`` (0, 1 or 2), default 2 (see the header for what
+    each does and ``asm_level`` for where it applies)."""
+    level = os.environ.get("ROOFLM_QUANT_ASM", "2")
+    if level not in ("0", "1", "2"):
+        raise ValueError(f"ROOFLM_QUANT_ASM={level!r}: expected 0, 1 or 2")
+    return int(level) if bits == 4 else 0
+
+
 def default_config(m: int, n: int, k: int, bits: int, group_size: int, sms: int) -> QuantMMConfig:
     """A shape heuristic, from a sweep on an H100 over Llama-2-7B's projections (``python -m
     rooflm.kernels.bench_quant --sweep``). M == 1: 32 rows x 128 columns at 4 bits, 16 x 256 at 8 bits; M <= 16:
@@ -351,7 +442,7 @@ def default_config(m: int, n: int, k: int, bits: int, group_size: int, sms: int)
         bk = _within_groups(min(64, kp2), k, group_size, 32)
         programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         split = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(k, bk), 4))
-        return QuantMMConfig(bm, bn, bk, split, 8 if bm == 128 else 4, 3, x_split=0)
+        return QuantMMConfig(bm, bn, bk, split, 8 if bm == 128 else 4, 3, x_split=0, asm=default_asm(bits, 0))
     x_split = 0
     if m == 1:
         bm, bn, bk, warps, stages, waves = 1, (32 if bits == 4 else 16), min(128 if bits == 4 else 256, kp2), 4, 3, 4
@@ -363,7 +454,7 @@ def default_config(m: int, n: int, k: int, bits: int, group_size: int, sms: int)
         bk = _within_groups(bk, k, group_size, 32)
     programs = triton.cdiv(n, bn)
     split = max(1, min(triton.cdiv(waves * sms, programs), triton.cdiv(k, bk), 8))
-    return QuantMMConfig(bm, bn, bk, split, warps, stages, x_split)
+    return QuantMMConfig(bm, bn, bk, split, warps, stages, x_split, asm=default_asm(bits, x_split))
 
 
 _picked: dict[tuple, QuantMMConfig] = {}

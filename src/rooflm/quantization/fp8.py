@@ -77,7 +77,19 @@ def quantize_fp8_weight(w: torch.Tensor) -> Fp8Weight:
 
 
 def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (fp8 codes [M, K], float32 scales [M, 1]), one scale per row (token)."""
+    """x [M, K] -> (fp8 codes [M, K], float32 scales [M, 1]), one scale per row (token). On a CUDA device one
+    Triton kernel (``rooflm.kernels.fp8_quant``) does it in a single pass; ``quantize_fp8_per_token_reference`` is
+    its twin, bit for bit."""
+    if x.is_cuda and x.dim() == 2:
+        from rooflm.kernels.fp8_quant import MAX_ROW, quantize_rows_fp8
+        if x.shape[1] <= MAX_ROW:
+            return quantize_rows_fp8(x, FP8_DTYPE, FP8_MAX, _MIN_SCALE)
+    return quantize_fp8_per_token_reference(x)
+
+
+def quantize_fp8_per_token_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch operators of the per-token quantization: scale = max|x[m]| / 448 (at least 1e-12), codes =
+    round-to-nearest-even of clamp(x / scale, +-448)."""
     xf = x.float()
     scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_MIN_SCALE)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
