@@ -67,23 +67,34 @@ def test_pack_tree_masks_layout():
     assert torch.equal(packed.data[16:].view(2, 2).bool(), b)
 
 
-def test_model_tree_step_with_the_triton_backend_equals_decoding_each_path(tmp_path):
-    # a tiny Llama verifies a token tree in one step through TritonAttention: every node's hidden state equals the one
-    # plain decoding of its path gives (the reference backend, one token per step)
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "vocab_size": 64,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 256}
+
+
+def _tiny_model(tmp_path, backend: str, std: float = 0.02):
+    """A 2-layer Llama on the CPU with dummy weights ~ normal(0, std) and the given attention backend."""
     import json
 
-    from rooflm.attention.metadata_utils import allocate_kv_caches, build_attention_metadata
     from rooflm.loader import load_model
+    from rooflm.loader.dummy import init_dummy_weights
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    model, cfg = load_model(str(path), load_format="dummy", dtype=torch.float32, device="cpu", show_progress=False,
+                            attn_backend=backend)
+    init_dummy_weights(model, seed=3, std=std)
+    return model, cfg
+
+
+def test_model_tree_step_with_the_triton_backend_equals_decoding_each_path(tmp_path):
+    # a tiny Llama verifies a token tree in one step through TritonAttention: every node's hidden state equals the one
+    # plain decoding of its path gives (the reference backend, whole path as a prefill)
+    from rooflm.attention.metadata_utils import allocate_kv_caches, build_attention_metadata
     from rooflm.spec_decode.tree import TreeShape, attention_mask, tree_depths
 
-    cfg_json = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-                "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 1,
-                "eos_token_id": 2, "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
-                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                "max_position_embeddings": 256}
-    (tmp_path / "config.json").write_text(json.dumps(cfg_json))
-    models = {name: load_model(str(tmp_path / "config.json"), load_format="dummy", dtype=torch.float32, device="cpu",
-                               show_progress=False, attn_backend=name, seed=5)[0] for name in ("triton", "torch")}
+    models = {name: _tiny_model(tmp_path, name)[0] for name in ("triton", "torch")}
     shape = TreeShape.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     g = torch.Generator().manual_seed(2)
     prefix = torch.randint(3, 64, (9,), generator=g).tolist()
@@ -108,3 +119,49 @@ def test_model_tree_step_with_the_triton_backend_equals_decoding_each_path(tmp_p
         seq = [tokens[j] for j in reversed(path)]
         want = run(models["torch"], allocate_kv_caches(*geometry), 0, prefix + seq)[-1]
         torch.testing.assert_close(hidden[node], want, rtol=1e-4, atol=1e-4, msg=lambda m: f"node {node}: {m}")
+
+
+def test_engine_medusa_tree_with_the_triton_backend_equals_plain_decoding(tmp_path, monkeypatch):
+    # the engine path: the model runner's tree masks reach the Triton kernel, and greedy Medusa tokens with a wide
+    # tree (12 candidates for the next token, so some are accepted even with random heads) equal plain decoding's.
+    # Larger weights (std 0.3) keep the tiny model's output from collapsing into one repeated token, so a node's
+    # attention to the wrong siblings changes the tokens.
+    import rooflm.attention.triton_backend as tb
+    from rooflm.config import EngineConfig
+    from rooflm.engine.engine import LLMEngine
+    from rooflm.sampling_params import SamplingParams
+    from rooflm.spec_decode.medusa import MedusaHeads, model_identity, save_medusa_heads
+
+    calls = {"tree": 0}
+    kernel = tb.paged_prefill_attention
+
+    def counting(*args, tree=None, **kw):
+        calls["tree"] += tree is not None
+        return kernel(*args, tree=tree, **kw)
+
+    monkeypatch.setattr(tb, "paged_prefill_attention", counting)
+    heads = MedusaHeads(2, TINY["hidden_size"])
+    with torch.no_grad():
+        heads.weight.copy_(torch.randn(heads.weight.shape, generator=torch.Generator().manual_seed(0)) / 16)
+    save_medusa_heads(heads, tmp_path / "heads", model_identity(_tiny_model(tmp_path, "torch")[1], "tiny"))
+    tree = [[i] for i in range(12)] + [[0, 0], [1, 0], [2, 0], [0, 1]]
+    prompts = [torch.randint(3, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 23, 40)]
+
+    def generate(backend: str, spec: dict | None):
+        model, cfg = _tiny_model(tmp_path, backend, std=0.3)
+        engine = LLMEngine(EngineConfig(max_num_seqs=4, kv_cache_memory=8 * 2**20, max_model_len=128, device="cpu",
+                                        dtype="float32", speculative_config=spec, show_progress=False),
+                           model=model, model_config=cfg, tokenizer=None)
+        for i, (p, m) in enumerate(zip(prompts, (9, 12, 15))):
+            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks, "KV blocks leaked"
+        return [done[str(i)] for i in range(len(prompts))], engine.get_stats()
+
+    plain, _ = generate("torch", None)
+    got, stats = generate("triton", {"method": "medusa", "model": str(tmp_path / "heads"), "num_speculative_tokens": 2,
+                                     "tree": tree, "auto_disable": False})
+    assert got == plain
+    assert stats.spec_verifications > 0 and stats.spec_accepted_tokens > 0 and calls["tree"] > 0
