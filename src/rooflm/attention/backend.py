@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from rooflm.attention.kv_quant import KVCache, QuantizedKVCache, write_quantized
+from rooflm.attention.tree_mask import PackedTreeMasks
 
 
 @dataclass
@@ -35,6 +36,9 @@ class AttentionMetadata:
     # Token-tree verification (spec_decode/tree.py): per sequence None (causal) or a [Q, Q] bool mask over its Q new
     # tokens (True: may attend); the cached context before them is visible to all. None: every sequence causal.
     tree_masks: list[torch.Tensor | None] | None = None
+    # The same masks packed for the Triton kernel (attention/tree_mask.py): built from tree_masks by the first layer
+    # that needs them and reused by the others (so tree_masks must not change after the first attend).
+    tree_masks_packed: PackedTreeMasks | None = None
     # H2O KV compression: a rooflm.attention.h2o_scores.BlockScoreCollector that every attention layer feeds with
     # its queries after attending, for the requests whose attention scores the scheduler asked for; None: off.
     attn_scores: "object | None" = None

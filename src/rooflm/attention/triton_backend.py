@@ -6,7 +6,9 @@ Same contract as ``TorchRefAttention`` (see ``attention/backend.py``), which is 
   2. ``attend``: a decode-only step (one query per sequence) runs split-KV paged decode attention (FlashDecoding):
      it reads only device tensors and a split count fixed by the batch shape, so the step can be captured in a CUDA
      graph; any other step (prefill, chunked prefill, prefix-cache hits, mixed batches) runs the paged prefill/extend
-     kernel (FlashAttention-style, causal, cached prefix, optional sliding window).
+     kernel (FlashAttention-style, causal, cached prefix, optional sliding window); a token-tree verification step
+     passes the tree masks to the same kernel (``attention/tree_mask.py``): a tree's new tokens see their ancestors
+     only, the other sequences of the batch stay causal.
 GQA is handled inside the kernels; K/V are never repeated. A quantized cache (``QuantizedKVCache``) is quantized by
 the write kernel and dequantized in registers by both attention kernels.
 """
@@ -16,6 +18,7 @@ import torch
 
 from rooflm.attention.backend import AttentionMetadata
 from rooflm.attention.kv_quant import KVCache
+from rooflm.attention.tree_mask import packed_tree_masks
 from rooflm.kernels.decode_attention import paged_decode_attention
 from rooflm.kernels.kv_cache import rotary_write_kv_cache
 from rooflm.kernels.prefill_attention import paged_prefill_attention
@@ -39,13 +42,10 @@ class TritonAttention:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        if meta.tree_masks is not None:  # token-tree verification: the reference path (no tree-masked kernel yet)
-            from rooflm.attention.torch_ref import TorchRefAttention
-
-            return TorchRefAttention().attend(q, kv_cache, meta, scale, sliding_window)
         out = torch.empty_like(q)
-        if meta.is_decode_only and meta.num_tokens == meta.num_seqs:
+        if meta.is_decode_only and meta.num_tokens == meta.num_seqs:  # a one-token tree sees itself: causal
             return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window,
                                           out=out)
         return paged_prefill_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                       meta.max_query_len, scale, sliding_window, out=out)
+                                       meta.max_query_len, scale, sliding_window, out=out,
+                                       tree=packed_tree_masks(meta))

@@ -16,6 +16,12 @@
 #   query_start_loc [num_seqs + 1] int32; seq_lens [num_seqs] int32; block_tables [num_seqs, max_blocks] int32
 #   query j of sequence i sits at position seq_lens[i] - q_len_i + j; it sees key positions p with
 #   p <= its position and, with a window W, p > its position - W.
+#   TREE (token-tree verification, SpecInfer / Medusa): tree_offsets [num_seqs] int32 and tree_data [n] int8. A
+#   sequence with tree_offsets[i] = o >= 0 has its [q_len, q_len] mask row-major at tree_data[o:]: among the step's
+#   new keys (positions >= ctx_len) query j sees new key k only if mask[j, k] != 0, whatever their order; the cached
+#   context before them follows the causal / window rule. tree_offsets[i] = -1: plain causal. One block per tree
+#   sequence rather than a bitmask per row, so any tree size works and plain sequences (long prefill chunks in the same
+#   batch) cost nothing; the masks reach the kernel as device tensors only (the launch reads no host copy of them).
 # Grid: (cdiv(max_query_len, BLOCK_M), num_heads, num_seqs); tiles past a sequence's query length exit at once.
 # GQA: query head h reads KV head h // (num_heads // num_kv_heads); K/V are never repeated in memory.
 from __future__ import annotations
@@ -25,6 +31,7 @@ import triton
 import triton.language as tl
 
 from rooflm.attention.kv_quant import QuantizedKVCache
+from rooflm.attention.tree_mask import PackedTreeMasks
 from rooflm.kernels._tl import dot, dot_upcast
 from rooflm.kernels._utils import check_last_dim_contiguous, next_pow2
 
@@ -34,7 +41,7 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, tree_off_ptr, tree_ptr,
     qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
@@ -45,6 +52,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     mblk = tl.program_id(0)
     head = tl.program_id(1)
@@ -68,6 +76,15 @@ def _prefill_kernel(
     # Key range this tile can see: up to its last query's position; from its first query's window start.
     hi = tl.minimum(seq_len, ctx_len + (mblk + 1) * BLOCK_M)
     lo = tl.where(window > 0, tl.maximum(ctx_len + mblk * BLOCK_M - window + 1, 0), 0)
+    tree_off = 0
+    tree_from = seq_len  # keys at and after this position follow the tree mask: none for a causal sequence
+    if TREE:  # a tree mask may open any of the new keys: scan them all (a tree is a few dozen tokens)
+        tree_off = tl.load(tree_off_ptr + seq)
+        is_tree = tree_off >= 0
+        tree_off = tl.maximum(tree_off, 0)
+        tree_from = tl.where(is_tree, ctx_len, seq_len)
+        hi = tl.where(is_tree, seq_len, hi)
+        lo = tl.where(is_tree, tl.minimum(lo, ctx_len), lo)
     lo = (lo // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -95,6 +112,12 @@ def _prefill_kernel(
             s = s * k_sc[None, :]
         allowed = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
         allowed = allowed & ((window <= 0) | (offs_n[None, :] > q_pos[:, None] - window))
+        if TREE:
+            new_k = offs_n - ctx_len  # index among the step's new tokens (< 0: cached context)
+            in_tree = (offs_n >= tree_from) & mask_n  # [BLOCK_N]
+            t = tl.load(tree_ptr + tree_off + offs_m[:, None] * q_len + new_k[None, :],
+                        mask=mask_m[:, None] & in_tree[None, :], other=0)
+            allowed = tl.where(in_tree[None, :], t != 0, allowed)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at zero
@@ -134,7 +157,10 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     tiles: tuple[int, int, int, int] | None = None,
+    tree: PackedTreeMasks | None = None,
 ) -> torch.Tensor:
+    """``tree``: token-tree masks of some sequences (``rooflm.attention.tree_mask.pack_tree_masks``); None: all
+    causal."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
     if cache_dim != head_dim or num_heads % num_kv_heads:
@@ -152,15 +178,19 @@ def paged_prefill_attention(
     block_m, block_n, warps, stages = tiles or _default_tiles(head_dim_pad, max_query_len, q.is_cuda)
     k_cache, v_cache = data[0], data[1]
     k_sc, v_sc = (kv_cache.scales[0], kv_cache.scales[1]) if quant else (k_cache, v_cache)  # unread unless quant
+    if tree is not None and tree.offsets.shape[0] != num_seqs:
+        raise ValueError(f"tree.offsets has {tree.offsets.shape[0]} entries for {num_seqs} sequences")
+    tree_off, tree_data = (tree.offsets, tree.data) if tree is not None else (seq_lens, seq_lens)  # unread unless tree
     grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, k_sc, v_sc, out, query_start_loc, seq_lens, block_tables,
+        q, k_cache, v_cache, k_sc, v_sc, out, query_start_loc, seq_lens, block_tables, tree_off, tree_data,
         float(scale) * _LOG2E, int(sliding_window or 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *((k_sc.stride(0), k_sc.stride(1), k_sc.stride(2)) if quant else (0, 0, 0)), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_UPCAST=dot_upcast(q.dtype), KV_QUANT=quant, num_warps=warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_UPCAST=dot_upcast(q.dtype), KV_QUANT=quant, TREE=tree is not None,
+        num_warps=warps,
         num_stages=stages,
     )
     return out
@@ -169,8 +199,10 @@ def paged_prefill_attention(
 def paged_prefill_attention_ref(
     q: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     block_tables: torch.Tensor, scale: float, sliding_window: int | None = None,
+    tree_masks: list[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
-    """The twin: per sequence, gather the context and run masked float32 attention (``attention.torch_ref``)."""
+    """The twin: per sequence, gather the context and run masked float32 attention (``attention.torch_ref``);
+    ``tree_masks``: per sequence None or its [q_len, q_len] bool token-tree mask."""
     from rooflm.attention.torch_ref import attend, gather_context
 
     out = torch.zeros_like(q)
@@ -179,5 +211,5 @@ def paged_prefill_attention_ref(
         s, e = starts[i], starts[i + 1]
         if e > s:
             k, v = gather_context(kv_cache, block_tables[i], seq_len)
-            out[s:e] = attend(q[s:e], k, v, scale, sliding_window)
+            out[s:e] = attend(q[s:e], k, v, scale, sliding_window, tree_masks[i] if tree_masks else None)
     return out
