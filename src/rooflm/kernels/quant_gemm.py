@@ -40,12 +40,14 @@
 # Measured on an H100 (``python -m rooflm.kernels.bench_quant``, Llama-2-7B shapes, weights streamed from HBM,
 # fractions of the device-to-device copy bandwidth, speed-ups over fp16 ``F.linear``):
 #   M = 1:  W8A16 77-82% on qkv, gate_up, lm_head (52-70% on the short o and down calls), 1.5-1.8x;
-#           W4A16 (group 128) 25-36%, 1.3-1.5x.
-#   M = 16: W8A16 48-82%, 1.4-1.9x; W4A16 22-35%, 1.2-1.5x.
+#           W4A16 (group 128) 28-43%, 1.4-1.8x with the PTX conversion below (25-36%, 1.3-1.5x without).
+#   M = 16: W8A16 48-82%, 1.4-1.9x; W4A16 25-49%, 1.3-2.1x with it (22-35%, 1.2-1.5x without).
 #   M = 64: W8A16 0.8-1.2x and W4A16 0.7-1.0x of fp16 (the dequantization is paid once per 64 rows).
-# Both formats top out at about 2e12 codes/s, so at 4 bits the kernel is bound by instructions per code, not by
-# memory. Closing that gap needs the conversion of two codes per 32-bit instruction into packed f16x2 registers
-# (lop3 and HFMA2, as Marlin and FasterTransformer do), which plain Triton cannot express; it would take inline PTX.
+# With the float32 conversion both formats top out at about 2e12 codes/s: at 4 bits the kernel was bound by
+# instructions per code. Converting two codes per 32-bit instruction into float16x2 registers (lop3 and HFMA2 in
+# inline PTX, rooflm/kernels/int4_ptx.py; ``QuantMMConfig.asm``, default 2 for float16 on CUDA) cut the 4-bit GEMVs
+# by 10-25%; the rest of the gap to W8A16's fraction is not the conversion (a sweep of tile shapes with it tops out at
+# 41% on qkv), and is still open.
 #
 # Scales: when a tile never straddles a group (group_size a multiple of BLOCK_K, or one group per row), each row's
 # scale and min are one load per tile; otherwise (group_size < BLOCK_K, or not a power of two) they are gathered per
@@ -66,6 +68,7 @@ import triton.language as tl
 
 from rooflm.kernels._utils import device_sms, interpreting
 from rooflm.kernels.gemv import _splitk_reduce_kernel  # the fixed-order split-K sum, shared
+from rooflm.kernels.int4_ptx import i4_to_f16, i4_to_f16_scaled
 from rooflm.quantization.packed import PackedWeight
 
 
@@ -79,58 +82,6 @@ def _u_to_f32(q):
 def _s8_to_f32(q):
     """Signed int8 codes -> float32, exactly: 2**23 + 128 + q is a float with q + 128 in its low mantissa bits."""
     return (q.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
-
-
-# Two 4-bit codes per 32-bit instruction (ASM > 0, CUDA only; the interpreter cannot run PTX). The bytes b0..b3 of a
-# 32-bit word are first permuted to b0 b2 b1 b3 (prmt), so that a word holds b0 and b1 in its two 16-bit halves and the
-# same word shifted right by 8 holds b2 and b3. ``lop3`` ((a & mask) | magic in one instruction) then ORs a nibble into
-# the mantissa of 1024.0 in each half: 0x6400 | q is the float16 1024 + q, exact, and one sub.f16x2 takes the 1024 off
-# both halves at once. High nibbles are read in place (mask 0x00F000F0): 1024 + 16 q, which one fma.f16x2 by 1/16 and
-# -64 turns into q. Eight codes cost one prmt, one shift, four lop3 and four f16x2 operations, against about three
-# 32-bit operations per code for the float32 magic number above (the conversion FasterTransformer and Marlin use;
-# Kim et al. 2022). ASM == 2 also applies the group's scale and min in float16x2 (fma.rn.f16x2: one rounding, the
-# precision of the float16 operand that tl.dot receives anyway).
-_I4_F16_HEAD = """
-{
-.reg .b32 t, t2, z, c, d;
-mov.b32 z, 0;
-prmt.b32 t, $4, z, 0x3120;
-shr.b32 t2, t, 8;
-lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 $1, t2, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 $2, t, 0x00F000F0, 0x64006400, 0xEA;
-lop3.b32 $3, t2, 0x00F000F0, 0x64006400, 0xEA;
-mov.b32 c, 0x64006400;
-sub.f16x2 $0, $0, c;
-sub.f16x2 $1, $1, c;
-mov.b32 c, 0x2C002C00;
-mov.b32 d, 0xD400D400;
-fma.rn.f16x2 $2, $2, c, d;
-fma.rn.f16x2 $3, $3, c, d;
-"""
-
-
-# Triton reads globals inside a kernel only as constexpr.
-_I4_F16_ASM = tl.constexpr(_I4_F16_HEAD + "}")
-_I4_F16_SCALED_ASM = tl.constexpr(_I4_F16_HEAD + """fma.rn.f16x2 $0, $0, $5, $7;
-fma.rn.f16x2 $1, $1, $6, $8;
-fma.rn.f16x2 $2, $2, $5, $7;
-fma.rn.f16x2 $3, $3, $6, $8;
-}""")
-
-
-@triton.jit
-def _i4_to_f16(q):
-    """uint8 [.., W] -> (low nibbles, high nibbles) as float16 [.., W], exact."""
-    return tl.inline_asm_elementwise(_I4_F16_ASM, "=r,=r,=r,=r,r", [q], dtype=(tl.float16, tl.float16),
-                                     is_pure=True, pack=4)
-
-
-@triton.jit
-def _i4_to_f16_scaled(q, s, m):
-    """uint8 [.., W], float16 scales and mins broadcast to [.., W] -> (lo * s + m, hi * s + m) in float16."""
-    return tl.inline_asm_elementwise(_I4_F16_SCALED_ASM, "=r,=r,=r,=r,r,r,r,r,r", [q, s, m],
-                                     dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
 @triton.jit
@@ -238,11 +189,11 @@ def _quant_mm_kernel(
 
         if BYTE_ORDER:
             if ASM == 1:
-                lo, hi = _i4_to_f16(q)
+                lo, hi = i4_to_f16(q)
                 w_lo = lo.to(tl.float32) * s + mn
                 w_hi = hi.to(tl.float32) * s + mn
             elif ASM == 2:  # PER_ROW: s and mn are [BLOCK_N, 1]
-                w_lo, w_hi = _i4_to_f16_scaled(q, tl.broadcast_to(s.to(tl.float16), q.shape),
+                w_lo, w_hi = i4_to_f16_scaled(q, tl.broadcast_to(s.to(tl.float16), q.shape),
                                                tl.broadcast_to((s * 0.0 + mn).to(tl.float16), q.shape))
             else:
                 w_lo = _u_to_f32(q & 0xF) * s + mn
@@ -264,12 +215,12 @@ def _quant_mm_kernel(
         else:
             if BITS == 4:
                 if ASM == 1:
-                    lo, hi = _i4_to_f16(q)
+                    lo, hi = i4_to_f16(q)
                     w = tl.interleave(lo, hi).to(tl.float32) * s + mn
                 elif ASM == 2:  # PER_ROW: s and mn are [BLOCK_N, 1]
                     s16 = tl.broadcast_to(s.to(tl.float16), q.shape)
                     m16 = tl.broadcast_to((s * 0.0 + mn).to(tl.float16), q.shape)
-                    lo, hi = _i4_to_f16_scaled(q, s16, m16)
+                    lo, hi = i4_to_f16_scaled(q, s16, m16)
                     w = tl.interleave(lo, hi)
                 else:
                     w = tl.interleave(_u_to_f32(q & 0xF), _u_to_f32(q >> 4)) * s + mn
