@@ -39,10 +39,13 @@ def test_tree_int8_and_fp8_cache():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_chain_tree_equals_causal_attention_exactly(dtype):
+def test_chain_tree_equals_causal_attention_up_to_rounding(dtype):
     out, _, plain, _ = run_tree_prefill(32, 8, 128, 16, [700, 5], [64, 16], [0, 1], dtype=dtype, device=DEV, seed=5,
                                         shape="chain")
-    assert torch.equal(out, plain)
+    # the tree and the causal masks are compiled as two variants of the kernel, so the compiler may order the same
+    # arithmetic differently: equal up to rounding (the CPU interpreter test asserts bit equality)
+    tol = 2e-3 if dtype == torch.float16 else 1.6e-2
+    torch.testing.assert_close(out, plain, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -88,6 +88,8 @@ def _tiny_model(tmp_path, backend: str, std: float = 0.02):
     return model, cfg
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="builds its models on the CPU for Triton's interpreter; on CUDA "
+                    "tests/gpu/test_gpu_tree_attention.py and test_gpu_medusa.py check the same")
 def test_model_tree_step_with_the_triton_backend_equals_decoding_each_path(tmp_path):
     # a tiny Llama verifies a token tree in one step through TritonAttention: every node's hidden state equals the one
     # plain decoding of its path gives (the reference backend, whole path as a prefill)
@@ -121,6 +123,8 @@ def test_model_tree_step_with_the_triton_backend_equals_decoding_each_path(tmp_p
         torch.testing.assert_close(hidden[node], want, rtol=1e-4, atol=1e-4, msg=lambda m: f"node {node}: {m}")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="builds its models on the CPU for Triton's interpreter; on CUDA "
+                    "tests/gpu/test_gpu_tree_attention.py and test_gpu_medusa.py check the same")
 def test_engine_medusa_tree_with_the_triton_backend_equals_plain_decoding(tmp_path, monkeypatch):
     # the engine path: the model runner's tree masks reach the Triton kernel, and greedy Medusa tokens with a wide
     # tree (12 candidates for the next token, so some are accepted even with random heads) equal plain decoding's.
