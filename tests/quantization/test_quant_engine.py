@@ -110,6 +110,28 @@ def test_bench_roofline_bounds_use_the_packed_weight_bytes(tiny_config):
     assert quant["tpot_s"] < plain["tpot_s"]
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_bench_roofline_bounds_count_the_quantized_kv_bytes(kv):
+    """bench latency's bound for an int8 / fp8 KV cache moves 1 byte per value plus one float32 scale per token and
+    head: the decode step's KV bytes shrink by (head_dim + 4) / (2 * head_dim) against float16, the weights do not."""
+    from rooflm.bench.latency import kv_format, roofline_bounds
+    from rooflm.config import load_model_config
+
+    cfg = load_model_config("llama-2-7b")
+    ceilings = {"device": "test", "copy_gbps": 1000.0, "matmul_tflops": 100.0}
+    fmt = kv_format(cfg.head_dim, "float16", kv)
+    assert fmt.bytes == pytest.approx((cfg.head_dim + 4) / cfg.head_dim)
+    assert kv_format(cfg.head_dim, "float16", "auto") == "16"
+    args = (cfg, ceilings, 4, 4000, 2)
+    f16, zero = roofline_bounds(*args), roofline_bounds(cfg, ceilings, 4, 1, 2)
+    q = roofline_bounds(*args, kv_bits=fmt)
+    assert q["weights_bytes"] == f16["weights_bytes"]
+    kv16 = f16["decode_step_bytes"] - zero["decode_step_bytes"]  # the KV part of a decode step, roughly
+    saved = f16["decode_step_bytes"] - q["decode_step_bytes"]
+    assert saved == pytest.approx(kv16 * (1 - (cfg.head_dim + 4) / (2 * cfg.head_dim)), rel=0.01)
+    assert q["tpot_s"] < f16["tpot_s"]
+
+
 def test_bench_cli_takes_quantization():
     from rooflm.bench import latency, throughput
 

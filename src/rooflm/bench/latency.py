@@ -166,10 +166,28 @@ def hf_generate_time(model, prompts: list[list[int]], new_tokens: int) -> tuple[
     return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
 
 
-def roofline_bounds(cfg, ceilings: dict, batch: int, input_len: int, output_len: int, w_bits: object = 16
-                    ) -> dict | None:
+def kv_format(head_dim: int, model_dtype: str, kv_cache_dtype: str = "auto") -> object:
+    """The analyzer's KV format of a run: the model dtype's bits for ``auto``, else int8 / fp8 with the bytes per
+    element the cache really stores (one float32 scale per token and head beside the 1-byte values)."""
+    from rooflm.bench.preflight import weight_bits
+
+    if kv_cache_dtype in (None, "auto"):
+        return weight_bits(model_dtype, None)
+    import torch
+
+    from rooflm.attention.kv_quant import kv_bytes_per_token_head
+    from rooflm.roofline.precision import Format
+
+    per_elem = kv_bytes_per_token_head(head_dim, torch.float16, kv_cache_dtype) / (2 * head_dim)
+    int8 = kv_cache_dtype == "int8"
+    return Format(f"{kv_cache_dtype}+scales", "int8" if int8 else "fp8", per_elem, int8)
+
+
+def roofline_bounds(cfg, ceilings: dict, batch: int, input_len: int, output_len: int, w_bits: object = 16,
+                    kv_bits: object = 16) -> dict | None:
     """Best-possible TTFT / TPOT and the bytes and FLOPs they imply, from rooflm.roofline on the measured ceilings.
-    ``w_bits``: the projection weights' format (a quantized model's ``rooflm.quantization.apply.weight_format``)."""
+    ``w_bits``: the projection weights' format (a quantized model's ``rooflm.quantization.apply.weight_format``);
+    ``kv_bits``: the KV cache's (``kv_format``)."""
     try:
         from rooflm.roofline import Hardware, analyze
     except ImportError:
@@ -178,7 +196,7 @@ def roofline_bounds(cfg, ceilings: dict, batch: int, input_len: int, output_len:
     hw = Hardware.from_measured(ceilings["copy_gbps"], {"fp16": peak, "bf16": peak, "fp32": peak / 2},
                                 memory_gib=1024, name=f"measured {ceilings['device']}")
     r = analyze(cfg, hw, batch=batch, input_len=input_len, output_len=output_len, flash_attention=True,
-                prefill_logits="last", w_bits=w_bits)
+                prefill_logits="last", w_bits=w_bits, kv_bits=kv_bits)
     steps = max(1, output_len - 1)
     return {"ttft_s": r.request.ttft_s, "tpot_s": r.request.tpot_s,
             "decode_step_bytes": (r.request.memory_access - r.prefill.totals.memory_access) / steps,
@@ -307,7 +325,8 @@ def run(args: argparse.Namespace) -> int:
 
     # a float model's weights take its dtype's bytes (a float32 run on the CPU moves 4 bytes per weight, not 2)
     bounds = roofline_bounds(cfg, ceilings, B, L_in, L_out,
-                             w_bits=weight_format(engine.model) or weight_bits(res["dtype"], None))
+                             w_bits=weight_format(engine.model) or weight_bits(res["dtype"], None),
+                             kv_bits=kv_format(cfg.head_dim, res["dtype"], args.kv_cache_dtype))
     if bounds:
         res["roofline"] = bounds
         res["achieved_gbps"] = bounds["decode_step_bytes"] / med["tpot_s"] / 1e9
@@ -382,8 +401,10 @@ def preflight(args: argparse.Namespace, device, ceilings: dict, batch: int, kv_b
     from rooflm.bench import preflight as pf
     from rooflm.config import load_model_config
 
-    est = pf.estimate(load_model_config(args.model), ceilings, pf.weight_bits(args.dtype, args.quantization), batch,
-                      args.input_len, args.output_len, iterations, kv_bytes)
+    cfg = load_model_config(args.model)
+    est = pf.estimate(cfg, ceilings, pf.weight_bits(args.dtype, args.quantization), batch,
+                      args.input_len, args.output_len, iterations, kv_bytes,
+                      kv_bits=kv_format(cfg.head_dim, args.dtype, getattr(args, "kv_cache_dtype", "auto")))
     world = getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1)
     if est is not None and world > 1:
         # each rank holds 1/world of the weights and a KV pool of kv_bytes: on CUDA each on its own device (the free

@@ -91,12 +91,12 @@ def weight_bits(dtype: str, quantization: str | None) -> str:
 
 
 def estimate(cfg, ceilings: dict, w_bits: str, batch: int, input_len: int, output_len: int, iterations: int,
-             kv_bytes: float) -> Estimate | None:
+             kv_bytes: float, kv_bits: object = "16") -> Estimate | None:
     """The run's memory and best-possible time; None when the roofline cannot model the architecture."""
     from rooflm.bench.latency import roofline_bounds
 
     try:
-        b = roofline_bounds(cfg, ceilings, batch, input_len, output_len, w_bits=w_bits)
+        b = roofline_bounds(cfg, ceilings, batch, input_len, output_len, w_bits=w_bits, kv_bits=kv_bits)
     except (ValueError, KeyError, NotImplementedError):
         return None
     if b is None:

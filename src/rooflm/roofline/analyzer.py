@@ -135,8 +135,9 @@ def analyze(model: "str | ModelConfig", hardware: str | Hardware = "a6000", *, b
     model: a named config (``llama-2-7b``), a config.json / checkpoint folder / .gguf path, or a ``ModelConfig``.
     hardware: a catalog key (``a6000``, ``h100-sxm``, ...), or a ``Hardware`` (e.g. ``Hardware.from_measured``).
     batch, input_len (prompt tokens), output_len (generated tokens, >= 1: prefill gives the first).
-    w_bits / a_bits / kv_bits: 32, 16, bf16, 8, fp8 or 4; w_bits may also be a ``Format`` whose bytes per element
-    are those a quantized model's packed weights take (scales and zero points included).
+    w_bits / a_bits / kv_bits: 32, 16, bf16, 8, fp8 or 4; w_bits and kv_bits may also be a ``Format`` whose bytes per
+    element are those a quantized model's packed weights or a quantized KV cache take (scales and zero points
+    included).
     tp: tensor-parallel degree (figures per GPU).
     expert_parallel: a MoE model's experts split whole over the ``tp`` GPUs instead of a slice of each on every GPU.
     decode_context: tokens the reported decode step attends to (default input_len, as in Table 1 of Yuan et al. 2024).
@@ -148,10 +149,14 @@ def analyze(model: "str | ModelConfig", hardware: str | Hardware = "a6000", *, b
     context = _positive("decode_context", input_len if decode_context is None else decode_context)
     cfg = resolve_model(model)
     hw = hardware if isinstance(hardware, Hardware) else get_hardware(hardware, device_file)
-    if isinstance(w_bits, Format):  # a quantized model's measured format (rooflm.quantization.apply)
-        p = replace(Precision.of(16, a_bits, kv_bits), weight=w_bits)
-    else:
-        p = Precision.of(w_bits, a_bits, kv_bits)
+    # A Format (w_bits: a quantized model's packed weights, rooflm.quantization.apply; kv_bits: a quantized cache with
+    # its per-token scales) carries the bytes per element the running engine really stores.
+    p = Precision.of(16 if isinstance(w_bits, Format) else w_bits, a_bits,
+                     16 if isinstance(kv_bits, Format) else kv_bits)
+    if isinstance(w_bits, Format):
+        p = replace(p, weight=w_bits)
+    if isinstance(kv_bits, Format):
+        p = replace(p, kv=kv_bits)
     x = _Ctx(Dims.of(cfg, tp, expert_parallel), p, Counting(bool(flash_attention), prefill_logits, llm_viewer_elementwise), hw)
 
     prefill = _stage(x, "prefill", batch, input_len, input_len)
