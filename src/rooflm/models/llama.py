@@ -261,6 +261,7 @@ class LlamaForCausalLM(nn.Module):
     """The model interface the engine calls (see docs/architecture.md)."""
 
     model_class = LlamaModel
+    cuda_graph_capturable = True  # a decode step never waits on the host (worker/cuda_graphs.py)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -139,3 +139,7 @@ class MixtralModel(LlamaModel):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     model_class = MixtralModel
+    # ``moe_forward`` picks the chosen experts on the host (torch.unique, torch.nonzero): a step synchronizes with the
+    # GPU, which a CUDA graph cannot capture. Capturing anyway fails, and under tensor parallelism a failed capture
+    # leaves PyTorch's allocator and random-number state broken on every rank, so decode runs eagerly.
+    cuda_graph_capturable = False

@@ -143,9 +143,13 @@ class DecodeGraphRunner:
 
 
 def capture_decode_graphs(runner, max_num_seqs: int) -> DecodeGraphRunner | None:
-    """Capture decode graphs for ``runner`` (a ``ModelRunner``); None when the model cannot be captured (CPU, or an
-    attention backend other than Triton)."""
+    """Capture decode graphs for ``runner`` (a ``ModelRunner``); None when the model cannot be captured (CPU, a model
+    whose step waits on the host (``cuda_graph_capturable = False``), or an attention backend other than Triton)."""
     if runner.device.type != "cuda":
+        return None
+    if not getattr(runner.model, "cuda_graph_capturable", True):
+        logger.info("CUDA graphs off: %s synchronizes with the host during a step; decoding eagerly",
+                    type(runner.model).__name__)
         return None
     backends = _attention_backends(runner.model)
     if backends != {"triton"}:
