@@ -87,8 +87,9 @@ def test_bad_slo_is_rejected():
 
 
 def test_engine_predictor_uses_the_live_roofline(make_engine, mixed_prompts):
-    """The engine's own step-time predictor (the live roofline over the fraction reached so far) works before the
-    first step (no fraction yet) and after it (a measured fraction), and admits what fits a generous SLO."""
+    """The engine's own step-time predictor (the live roofline over a low quantile of the fractions recent steps
+    reached) works before the first step (no fraction yet) and after it (measured fractions), and admits what fits
+    a generous SLO."""
     engine = make_engine(ttft_slo_ms=3_600_000, max_num_batched_tokens=32)
     prompt = [t for p in mixed_prompts for t in p][:32]
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -98,8 +99,11 @@ def test_engine_predictor_uses_the_live_roofline(make_engine, mixed_prompts):
     engine.add_request("a", prompt, params)
     while engine.has_unfinished_requests():
         engine.step()
-    fraction = engine.roofline.fraction
+    from rooflm.engine.admission import ADMISSION_QUANTILE
+
+    fraction = engine.roofline.fraction_quantile(ADMISSION_QUANTILE)
     assert fraction is not None and fraction > 0
+    assert fraction == min(engine.roofline.recent_fractions)  # at most ten steps: the tenth percentile is the slowest
     after = engine.admission.predict(32, engine.scheduler.running, engine.scheduler.waiting)
     assert after == pytest.approx(engine.roofline.predict([32], [32], 1) / fraction)
     engine.add_request("b", prompt, params)  # admitted
@@ -115,3 +119,26 @@ def test_prediction_adds_the_steps_already_launched():
     # two steps in flight: each a decode step of the two running requests at their current contexts
     assert p.predict(6, running, [], in_flight=2) == pytest.approx(base + 2 * step_time([1, 1], [5, 3], 2))
     assert p.predict(6, [], [], in_flight=2) == p.predict(6, [], [])  # nothing running: nothing to wait for
+
+
+def test_fraction_quantile_ranks_the_recent_steps():
+    """Nearest-rank quantiles of the per-step fractions, over the last RECENT_STEPS steps only; None before a step; a
+    bad q names the field."""
+    from rooflm.roofline.live import RECENT_STEPS, LiveRoofline
+
+    roof = LiveRoofline.__new__(LiveRoofline)
+    roof.reset()
+    roof.predict = lambda q, c, r: 1.0  # every step's best time is 1 s: a step of t seconds reached 1 / t
+    assert roof.fraction_quantile(0.1) is None
+    for t in (10.0, 2.0, 1.25, 1.0, 2.5, 5.0, 1.0, 4.0, 2.0, 1.0):  # fractions 0.1 .. 1.0
+        roof.observe([1], [1], 1, t)
+    assert roof.fraction_quantile(0.1) == pytest.approx(0.1)
+    assert roof.fraction_quantile(0.2) == pytest.approx(0.2)
+    assert roof.fraction_quantile(0.5) == pytest.approx(0.5)
+    assert roof.fraction_quantile(1.0) == pytest.approx(1.0)
+    assert roof.fraction < 0.5  # the mean of times, not of fractions: pulled down by the 10 s step
+    for _ in range(RECENT_STEPS):  # the slow steps age out of the window
+        roof.observe([1], [1], 1, 1.0)
+    assert roof.fraction_quantile(0.1) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="q=0"):
+        roof.fraction_quantile(0)

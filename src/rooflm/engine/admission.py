@@ -11,7 +11,9 @@ prediction replays the scheduler's rule on the current queue, step by step, with
   request, last;
 - each simulated step costs what the step-time predictor says of its composition (tokens and context per request,
   rows through the LM head). The engine's predictor is the live roofline's best possible time
-  (``rooflm.roofline.live``) divided by the fraction of it the engine has achieved so far (1 before the first step).
+  (``rooflm.roofline.live``) divided by a low quantile (``ADMISSION_QUANTILE``) of the fractions of it that recent
+  steps reached (1 before the first step): an SLO is about the slow requests, and dividing by the mean fraction
+  planned for the typical step, so on a machine whose step times swing (a busy CPU) admitted requests missed.
 
 The predicted TTFT is the sum of the step times up to and including the step that completes the new request's
 prompt, plus the steps already launched: the scheduler has accounted for those (their tokens count as computed), yet
@@ -29,9 +31,10 @@ if TYPE_CHECKING:
     from rooflm.engine.request import Request
     from rooflm.engine.scheduler import Scheduler
 
-__all__ = ["SLORejectedError", "TTFTPredictor", "FINISH_REJECTED"]
+__all__ = ["SLORejectedError", "TTFTPredictor", "FINISH_REJECTED", "ADMISSION_QUANTILE"]
 
 FINISH_REJECTED = "rejected"  # the finish reason of a request refused by admission (offline API)
+ADMISSION_QUANTILE = 0.1  # steps are priced at the pace of the slowest tenth of recent steps
 StepTime = Callable[[list[int], list[int], int], float]  # (query_lens, context_lens, num_logit_rows) -> seconds
 
 

@@ -203,11 +203,12 @@ class LLMEngine:
         self.structured = None  # StructuredOutputManager, made when the first request with a grammar comes
         self.admission = None  # TTFTPredictor under ttft_slo_ms (rooflm.engine.admission)
         if config.ttft_slo_ms is not None:
-            from rooflm.engine.admission import TTFTPredictor
+            from rooflm.engine.admission import ADMISSION_QUANTILE, TTFTPredictor
 
             roofline = self.roofline
-            self.admission = TTFTPredictor(lambda q, c, r: roofline.predict(q, c, r) / (roofline.fraction or 1.0),
-                                           config.max_num_batched_tokens, config.max_num_seqs)
+            self.admission = TTFTPredictor(
+                lambda q, c, r: roofline.predict(q, c, r) / (roofline.fraction_quantile(ADMISSION_QUANTILE) or 1.0),
+                config.max_num_batched_tokens, config.max_num_seqs)
 
     def _structured_manager(self):
         if self.structured is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import math
 import operator
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from rooflm.config import ModelConfig
     from rooflm.engine.stats import EngineStats
 
+RECENT_STEPS = 256  # steps whose fractions ``fraction_quantile`` ranks: the recent pace, not the whole run's
 # Upper bounds of the per-step fraction histogram (Prometheus "le" semantics: a step with fraction f counts in the
 # first bucket whose bound is >= f). Fractions above 1 mean the step beat the model of its best time.
 FRACTION_BUCKETS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, float("inf"))
@@ -260,6 +262,7 @@ class LiveRoofline:
         self.fraction_sum = 0.0
         self.last_fraction: float | None = None
         self.bucket_counts = [0] * len(FRACTION_BUCKETS)
+        self.recent_fractions: deque[float] = deque(maxlen=RECENT_STEPS)
 
     def observe(self, query_lens: Sequence[int], context_lens: Sequence[int], num_logit_rows: int,
                 measured_seconds: float) -> float:
@@ -274,7 +277,19 @@ class LiveRoofline:
         self.fraction_sum += f
         self.last_fraction = f
         self.bucket_counts[bisect.bisect_left(FRACTION_BUCKETS, f)] += 1
+        self.recent_fractions.append(f)
         return f
+
+    def fraction_quantile(self, q: float) -> float | None:
+        """The q-quantile (0 < q <= 1; nearest rank) of the fractions of the last ``RECENT_STEPS`` steps, None before
+        the first. A low quantile is the pace of the slow steps: what a deadline has to plan for, where the mean
+        ``fraction`` plans for the typical step (SLO admission, ``rooflm.engine.admission``)."""
+        if not 0 < q <= 1:
+            raise ValueError(f"q={q!r} is invalid: expected 0 < q <= 1")
+        if not self.recent_fractions:
+            return None
+        ordered = sorted(self.recent_fractions)
+        return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
     @property
     def fraction(self) -> float | None:
