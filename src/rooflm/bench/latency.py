@@ -29,7 +29,7 @@ import sys
 import time
 
 from rooflm.bench.output import add_output_args, check_output_args, report_stream, write_outputs
-from rooflm.bench.preflight import add_parallel_args, add_yes_arg, note
+from rooflm.bench.preflight import add_parallel_args, add_yes_arg, kv_format, note, roofline_bounds
 from rooflm.bench.reports import latency_lines, profile_lines  # noqa: F401 - profile_lines: part of this module's API
 
 
@@ -164,43 +164,6 @@ def hf_generate_time(model, prompts: list[list[int]], new_tokens: int) -> tuple[
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
     torch.cuda.synchronize(dev) if dev.type == "cuda" else None
     return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
-
-
-def kv_format(head_dim: int, model_dtype: str, kv_cache_dtype: str = "auto") -> object:
-    """The analyzer's KV format of a run: the model dtype's bits for ``auto``, else int8 / fp8 with the bytes per
-    element the cache really stores (one float32 scale per token and head beside the 1-byte values)."""
-    from rooflm.bench.preflight import weight_bits
-
-    if kv_cache_dtype in (None, "auto"):
-        return weight_bits(model_dtype, None)
-    import torch
-
-    from rooflm.attention.kv_quant import kv_bytes_per_token_head
-    from rooflm.roofline.precision import Format
-
-    per_elem = kv_bytes_per_token_head(head_dim, torch.float16, kv_cache_dtype) / (2 * head_dim)
-    int8 = kv_cache_dtype == "int8"
-    return Format(f"{kv_cache_dtype}+scales", "int8" if int8 else "fp8", per_elem, int8)
-
-
-def roofline_bounds(cfg, ceilings: dict, batch: int, input_len: int, output_len: int, w_bits: object = 16,
-                    kv_bits: object = 16) -> dict | None:
-    """Best-possible TTFT / TPOT and the bytes and FLOPs they imply, from rooflm.roofline on the measured ceilings.
-    ``w_bits``: the projection weights' format (a quantized model's ``rooflm.quantization.apply.weight_format``);
-    ``kv_bits``: the KV cache's (``kv_format``)."""
-    try:
-        from rooflm.roofline import Hardware, analyze
-    except ImportError:
-        return None
-    peak = ceilings["matmul_tflops"]
-    hw = Hardware.from_measured(ceilings["copy_gbps"], {"fp16": peak, "bf16": peak, "fp32": peak / 2},
-                                memory_gib=1024, name=f"measured {ceilings['device']}")
-    r = analyze(cfg, hw, batch=batch, input_len=input_len, output_len=output_len, flash_attention=True,
-                prefill_logits="last", w_bits=w_bits, kv_bits=kv_bits)
-    steps = max(1, output_len - 1)
-    return {"ttft_s": r.request.ttft_s, "tpot_s": r.request.tpot_s,
-            "decode_step_bytes": (r.request.memory_access - r.prefill.totals.memory_access) / steps,
-            "prefill_ops": r.prefill.totals.ops, "weights_bytes": r.memory.weights}
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -93,8 +93,6 @@ def weight_bits(dtype: str, quantization: str | None) -> str:
 def estimate(cfg, ceilings: dict, w_bits: str, batch: int, input_len: int, output_len: int, iterations: int,
              kv_bytes: float, kv_bits: object = "16") -> Estimate | None:
     """The run's memory and best-possible time; None when the roofline cannot model the architecture."""
-    from rooflm.bench.latency import roofline_bounds
-
     try:
         b = roofline_bounds(cfg, ceilings, batch, input_len, output_len, w_bits=w_bits, kv_bits=kv_bits)
     except (ValueError, KeyError, NotImplementedError):
@@ -119,3 +117,38 @@ def check(est: Estimate | None, available: int | None, yes: bool, model: str) ->
     if est.run_s > LONG_RUN_S and not yes:
         raise ValueError(f"--model {model}: the roofline predicts at least {duration(est.run_s)} for this benchmark "
                          f"on this machine (TPOT >= {duration(est.tpot_s)}); pass --yes to run it anyway")
+
+
+def kv_format(head_dim: int, model_dtype: str, kv_cache_dtype: str = "auto") -> object:
+    """The analyzer's KV format of a run: the model dtype's bits for ``auto``, else int8 / fp8 with the bytes per
+    element the cache really stores (one float32 scale per token and head beside the 1-byte values)."""
+    if kv_cache_dtype in (None, "auto"):
+        return weight_bits(model_dtype, None)
+    import torch
+
+    from rooflm.attention.kv_quant import kv_bytes_per_token_head
+    from rooflm.roofline.precision import Format
+
+    per_elem = kv_bytes_per_token_head(head_dim, torch.float16, kv_cache_dtype) / (2 * head_dim)
+    int8 = kv_cache_dtype == "int8"
+    return Format(f"{kv_cache_dtype}+scales", "int8" if int8 else "fp8", per_elem, int8)
+
+
+def roofline_bounds(cfg, ceilings: dict, batch: int, input_len: int, output_len: int, w_bits: object = 16,
+                    kv_bits: object = 16) -> dict | None:
+    """Best-possible TTFT / TPOT and the bytes and FLOPs they imply, from rooflm.roofline on the measured ceilings.
+    ``w_bits``: the projection weights' format (a quantized model's ``rooflm.quantization.apply.weight_format``);
+    ``kv_bits``: the KV cache's (``kv_format``)."""
+    try:
+        from rooflm.roofline import Hardware, analyze
+    except ImportError:
+        return None
+    peak = ceilings["matmul_tflops"]
+    hw = Hardware.from_measured(ceilings["copy_gbps"], {"fp16": peak, "bf16": peak, "fp32": peak / 2},
+                                memory_gib=1024, name=f"measured {ceilings['device']}")
+    r = analyze(cfg, hw, batch=batch, input_len=input_len, output_len=output_len, flash_attention=True,
+                prefill_logits="last", w_bits=w_bits, kv_bits=kv_bits)
+    steps = max(1, output_len - 1)
+    return {"ttft_s": r.request.ttft_s, "tpot_s": r.request.tpot_s,
+            "decode_step_bytes": (r.request.memory_access - r.prefill.totals.memory_access) / steps,
+            "prefill_ops": r.prefill.totals.ops, "weights_bytes": r.memory.weights}
