@@ -1,0 +1,181 @@
+"""A lean forward of the Llama decoder stack for a model on the CPU path.
+
+On a CPU a decode step of a small model spends as much time dispatching small ops from Python as multiplying: the
+SmolLM2-135M step is four packed int4 matmuls per layer plus about forty small torch ops and a dozen module calls,
+each costing a few microseconds of Python and dispatcher time. ``run_lean_layers`` computes what the decoder layers
+compute, with the same torch ops in the same order (so the same floats, bit for bit), but as one plain loop:
+
+- no ``nn.Module.__call__`` / ``CustomOp`` dispatch per op (hooks are not supported on this path);
+- a packed int4 projection calls torch's kernel directly (no permutation, split or bias to check per call);
+- the bfloat16 result of an int4 ``o_proj`` / ``down_proj`` is added to the float32 residual as it is: type promotion
+  widens it exactly, as the explicit ``.to(float32)`` of the module path does, one op fewer;
+- a single decoding sequence with full attention rotates, writes and attends inline (the CPU backend's maths), with
+  the gather of its context replaced by a view when its KV blocks are consecutive (they usually are: the block pool
+  hands out fresh blocks in order), which copies nothing.
+
+It runs only where every layer took the CPU path (``ops="auto"`` or ``"cpu"`` on the CPU, CPU attention backend),
+one tensor-parallel rank, one pipeline stage, a dense SwiGLU MLP, a float KV cache and no H2O score collection;
+anything else goes through the modules as before. ``ROOFLM_CPU_LEAN=off`` turns it off (read at every step).
+Checked against the module path in ``tests/unit/test_cpu_lean.py``.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from rooflm.attention.backend import AttentionMetadata
+from rooflm.attention.cpu_backend import CpuAttention, _decode
+from rooflm.kernels.cpu_quant import COMPUTE_DTYPE, quant_linear_cpu
+from rooflm.layers.activation import SiluAndMul
+from rooflm.layers.custom_op import CPU
+
+_int4mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+
+
+def lean_allowed_by_env() -> bool:
+    """``ROOFLM_CPU_LEAN=off`` keeps the CPU path on the module-by-module forward."""
+    return os.environ.get("ROOFLM_CPU_LEAN", "on") != "off"
+
+
+def _fast_int4(lin) -> bool:
+    """True when ``lin`` multiplies with a plain packed int4 weight: torch's kernel can be called as it is."""
+    cw = lin._cpu_weight
+    return (cw is not None and cw.kind == "int4" and not cw.split and cw.perm is None and lin.bias is None
+            and lin.quant == "packed")
+
+
+def _linear_ok(lin) -> bool:
+    return lin.impl == CPU and (lin.quant is None or (lin.quant == "packed" and lin._cpu_weight is not None))
+
+
+def lean_plan(model) -> list[tuple] | None:
+    """Per layer (layer, fast_qkv, fast_o, fast_gate_up, fast_down) when the whole stack of ``model`` (a
+    ``LlamaModel``) can run lean, else None. Checked at every step (a few microseconds): ``select_ops`` or a move of
+    the model may change what each op runs."""
+    from rooflm.models.llama import LlamaDecoderLayer  # a subclass with its own forward is not this maths
+
+    if not lean_allowed_by_env() or model.pp_size != 1:
+        return None
+    layer_forward = LlamaDecoderLayer.forward
+    plan = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if (layer.mlp_norm_gate_up is None or attn.tp_size != 1 or mlp.tp_size != 1
+                or not isinstance(attn.attn.backend, CpuAttention) or layer.input_layernorm.impl != CPU
+                or layer.post_attention_layernorm.impl != CPU or not isinstance(mlp.act_and_mul, SiluAndMul)
+                or type(layer).forward is not layer_forward):
+            return None
+        lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(_linear_ok(lin) for lin in lins):
+            return None
+        plan.append((layer, *(_fast_int4(lin) for lin in lins)))
+    return plan
+
+
+def _proj(x: torch.Tensor, lin, fast: bool) -> torch.Tensor:
+    """``lin(x)``; a fast int4 projection returns its bfloat16 product (the caller widens it), the others x's
+    dtype."""
+    if fast:
+        cw = lin._cpu_weight
+        return _int4mm(x.to(COMPUTE_DTYPE), cw.weight, cw.group_size, cw.scales)
+    if lin.quant is None:
+        return F.linear(x, lin.weight, lin.bias)
+    return quant_linear_cpu(x, lin._cpu_weight, lin.bias)
+
+
+def _consecutive(blocks: torch.Tensor) -> bool:
+    """True when the block indices are consecutive: the context is then one slice of the cache."""
+    n = blocks.shape[0]
+    return n == 1 if n <= 1 else bool((blocks.diff() == 1).all())
+
+
+class _DecodeOne:
+    """What every layer of a step with one decoding sequence (full attention) shares: the rotary tables, the slot
+    the new token's K/V go to and, when the context's blocks are consecutive, where its K and V start in a layer's
+    cache (each layer's cache has the same shape, so the same offsets)."""
+
+    def __init__(self, backend: CpuAttention, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        self.cos2, self.sin2 = backend._rope_tables(cos, sin)
+        self.slots = meta.slot_mapping
+        self.blocks = backend._decode_blocks
+        self.seq_len = meta.seq_lens_cpu[0]
+        self.view = None  # (size, stride, K offset, V offset) of the context as [1, Hkv, L, D] views
+        if _consecutive(self.blocks):
+            _, _, bs, hkv, d = kv_cache.shape
+            start = int(self.blocks[0]) * bs * hkv * d
+            self.view = ((1, hkv, self.seq_len, d), (hkv * self.seq_len * d, d, hkv * d, 1), start,
+                         start + kv_cache.stride(0))
+        self.act = None  # the bfloat16 input of the down projection, reused by every layer
+
+
+def _attend_one(step: _DecodeOne, attn, qkv: torch.Tensor, hq: int, hkv: int, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+    """Rotary, cache write and attention of the one decoding sequence: the CPU backend's maths, in fewer ops.
+    ``qkv`` [1, q | k | v] may be the bfloat16 product: the rotary products widen it to float32 exactly, as the
+    explicit cast of the module path does. Returns [1, Hq, D]."""
+    d = attn.head_dim
+    heads = qkv.view(1, hq + 2 * hkv, d)
+    qk, v = heads[:, : hq + hkv], heads[:, hq + hkv:]
+    qk = torch.addcmul(qk * step.cos2, qk.roll(d // 2, dims=-1), step.sin2)  # float32
+    flat = kv_cache.view(2, kv_cache.shape[1] * kv_cache.shape[2], hkv, d)
+    flat.index_copy_(1, step.slots, torch.stack((qk[:, hq:], v)))  # stack promotes a bfloat16 v exactly
+    q = qk[:, :hq]
+    if step.view is None:
+        return _decode(q, kv_cache, meta, attn.scale, step.blocks)
+    size, stride, k_off, v_off = step.view
+    k = kv_cache.as_strided(size, stride, k_off)
+    v = kv_cache.as_strided(size, stride, v_off)
+    qg = q.view(1, hkv, hq // hkv, d)  # query head h uses KV head h // group
+    return F.scaled_dot_product_attention(qg, k, v, scale=attn.scale).view(1, hq, d)
+
+
+def run_lean_layers(plan: list[tuple], hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                    sin: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The decoder layers of ``plan`` over (hidden, residual), as the layers' ``forward`` computes them; None (and
+    nothing computed) when this step needs what the lean path leaves to the modules."""
+    if meta.attn_scores is not None or not all(type(c) is torch.Tensor and c.dtype == hidden.dtype
+                                                and c.is_contiguous() for c in kv_caches):
+        return None
+    dtype = hidden.dtype
+    backend: CpuAttention = plan[0][0].self_attn.attn.backend
+    backend._step(meta, kv_caches[0].shape[2])
+    one = None
+    if (meta.is_decode_only and meta.num_seqs == 1 and meta.tree_masks is None and backend._slots_valid
+            and backend._decode_blocks is not None and dtype == torch.float32):
+        one = _DecodeOne(backend, cos, sin, kv_caches[0], meta)
+    for (layer, f_qkv, f_o, f_gu, f_down), kv_cache in zip(plan, kv_caches, strict=True):
+        sa, mlp = layer.self_attn, layer.mlp
+        ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+        # attention block: residual += hidden; qkv = qkv_proj(rms_norm(residual))
+        if residual is None:
+            residual = hidden
+        else:
+            residual = hidden + residual  # hidden may be a bfloat16 product: widened exactly
+        qkv = _proj(F.rms_norm(residual, ln1.weight.shape, ln1.weight, ln1.eps), sa.qkv_proj, f_qkv)
+        T = qkv.shape[0]
+        attn = sa.attn
+        if one is not None and attn.sliding_window is None:
+            out = _attend_one(one, attn, qkv, sa.num_heads, sa.num_kv_heads, kv_cache, meta)
+        else:
+            q, k, v = qkv.to(dtype).split([sa.q_size, sa.kv_size, sa.kv_size], dim=-1)
+            out = attn.forward_native(q.view(T, sa.num_heads, sa.head_dim), k.view(T, sa.num_kv_heads, sa.head_dim),
+                                      v.view(T, sa.num_kv_heads, sa.head_dim), cos, sin, kv_cache, meta)
+        hidden = _proj(out.reshape(T, sa.q_size), sa.o_proj, f_o)
+        # MLP block: residual += attention output; down(silu(gate) * up) of gate_up_proj(rms_norm(residual))
+        residual = hidden + residual
+        gate_up = _proj(F.rms_norm(residual, ln2.weight.shape, ln2.weight, ln2.eps), mlp.gate_up_proj, f_gu)
+        gate, up = gate_up.chunk(2, dim=-1)
+        if f_down and one is not None:
+            # silu in float32, the product rounded to bfloat16 as it is stored: what ``.to(bfloat16)`` of the
+            # float32 product gives, without the float32 intermediate
+            if one.act is None or one.act.shape != up.shape:
+                one.act = torch.empty(up.shape, dtype=COMPUTE_DTYPE)
+            act = torch.mul(F.silu(gate.to(dtype)), up, out=one.act)
+        else:
+            act = F.silu(gate.to(dtype)) * up.to(dtype)
+        hidden = _proj(act, mlp.down_proj, f_down)
+    return hidden.to(dtype), residual
