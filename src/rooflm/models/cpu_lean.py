@@ -29,7 +29,7 @@ from rooflm.attention.backend import AttentionMetadata
 from rooflm.attention.cpu_backend import CpuAttention, _decode
 from rooflm.kernels.cpu_quant import COMPUTE_DTYPE, quant_linear_cpu
 from rooflm.layers.activation import SiluAndMul
-from rooflm.layers.custom_op import CPU
+from rooflm.layers.custom_op import CPU, impl_generation
 
 _int4mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 
@@ -39,25 +39,37 @@ def lean_allowed_by_env() -> bool:
     return os.environ.get("ROOFLM_CPU_LEAN", "on") != "off"
 
 
-def _fast_int4(lin) -> bool:
-    """True when ``lin`` multiplies with a plain packed int4 weight: torch's kernel can be called as it is."""
+def _fast_int4(lin) -> tuple | None:
+    """(packed weight, group size, scales) when ``lin`` multiplies with a plain packed int4 weight, which torch's
+    kernel can take as it is; else None."""
     cw = lin._cpu_weight
-    return (cw is not None and cw.kind == "int4" and not cw.split and cw.perm is None and lin.bias is None
-            and lin.quant == "packed")
+    if (cw is not None and cw.kind == "int4" and not cw.split and cw.perm is None and lin.bias is None
+            and lin.quant == "packed"):
+        return cw.weight, cw.group_size, cw.scales
+    return None
 
 
 def _linear_ok(lin) -> bool:
     return lin.impl == CPU and (lin.quant is None or (lin.quant == "packed" and lin._cpu_weight is not None))
 
 
-def lean_plan(model) -> list[tuple] | None:
-    """Per layer (layer, fast_qkv, fast_o, fast_gate_up, fast_down) when the whole stack of ``model`` (a
-    ``LlamaModel``) can run lean, else None. Checked at every step (a few microseconds): ``select_ops`` or a move of
-    the model may change what each op runs."""
-    from rooflm.models.llama import LlamaDecoderLayer  # a subclass with its own forward is not this maths
-
+def lean_plan(model) -> list | None:
+    """One entry per layer when the whole stack of ``model`` (a ``LlamaModel``) can run lean, else None. Kept on
+    the model until an op re-chooses its implementation (``select_ops``, a quantized weight set or moved)."""
     if not lean_allowed_by_env() or model.pp_size != 1:
         return None
+    key = (impl_generation(), len(model.layers))
+    cached = model.__dict__.get("_lean_plan")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    plan = _build_plan(model)
+    model.__dict__["_lean_plan"] = (key, plan)
+    return plan
+
+
+def _build_plan(model) -> list | None:
+    from rooflm.models.llama import LlamaDecoderLayer  # a subclass with its own forward is not this maths
+
     layer_forward = LlamaDecoderLayer.forward
     plan = []
     for layer in model.layers:
@@ -70,16 +82,35 @@ def lean_plan(model) -> list[tuple] | None:
         lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not all(_linear_ok(lin) for lin in lins):
             return None
-        plan.append((layer, *(_fast_int4(lin) for lin in lins)))
+        plan.append(_Layer(layer))
     return plan
 
 
-def _proj(x: torch.Tensor, lin, fast: bool) -> torch.Tensor:
+class _Layer:
+    """One decoder layer's parts, looked up once: a module attribute lookup costs about as much as a small op's
+    dispatch. Parameters are held as the objects themselves, so weights loaded or moved in place are seen."""
+
+    __slots__ = ("w1", "eps1", "w2", "eps2", "shape", "qkv", "o", "gate_up", "down", "fast", "attn", "hq", "hkv",
+                 "d", "q_size", "kv_size", "window")
+
+    def __init__(self, layer) -> None:
+        sa, mlp = layer.self_attn, layer.mlp
+        self.w1, self.eps1 = layer.input_layernorm.weight, layer.input_layernorm.eps
+        self.w2, self.eps2 = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps
+        self.shape = tuple(self.w1.shape)
+        self.qkv, self.o, self.gate_up, self.down = sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj
+        self.fast = tuple(_fast_int4(lin) for lin in (self.qkv, self.o, self.gate_up, self.down))
+        self.attn = sa.attn
+        self.hq, self.hkv, self.d = sa.num_heads, sa.num_kv_heads, sa.head_dim
+        self.q_size, self.kv_size = sa.q_size, sa.kv_size
+        self.window = sa.attn.sliding_window
+
+
+def _proj(x: torch.Tensor, lin, fast: tuple | None) -> torch.Tensor:
     """``lin(x)``; a fast int4 projection returns its bfloat16 product (the caller widens it), the others x's
     dtype."""
-    if fast:
-        cw = lin._cpu_weight
-        return _int4mm(x.to(COMPUTE_DTYPE), cw.weight, cw.group_size, cw.scales)
+    if fast is not None:
+        return _int4mm(x.to(COMPUTE_DTYPE), *fast)
     if lin.quant is None:
         return F.linear(x, lin.weight, lin.bias)
     return quant_linear_cpu(x, lin._cpu_weight, lin.bias)
@@ -132,7 +163,7 @@ def _attend_one(step: _DecodeOne, attn, qkv: torch.Tensor, hq: int, hkv: int, kv
     return F.scaled_dot_product_attention(qg, k, v, scale=attn.scale).view(1, hq, d)
 
 
-def run_lean_layers(plan: list[tuple], hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+def run_lean_layers(plan: list, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                     sin: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The decoder layers of ``plan`` over (hidden, residual), as the layers' ``forward`` computes them; None (and
@@ -141,35 +172,33 @@ def run_lean_layers(plan: list[tuple], hidden: torch.Tensor, residual: torch.Ten
                                                 and c.is_contiguous() for c in kv_caches):
         return None
     dtype = hidden.dtype
-    backend: CpuAttention = plan[0][0].self_attn.attn.backend
+    backend: CpuAttention = plan[0].attn.backend
     backend._step(meta, kv_caches[0].shape[2])
     one = None
     if (meta.is_decode_only and meta.num_seqs == 1 and meta.tree_masks is None and backend._slots_valid
             and backend._decode_blocks is not None and dtype == torch.float32):
         one = _DecodeOne(backend, cos, sin, kv_caches[0], meta)
-    for (layer, f_qkv, f_o, f_gu, f_down), kv_cache in zip(plan, kv_caches, strict=True):
-        sa, mlp = layer.self_attn, layer.mlp
-        ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    for lay, kv_cache in zip(plan, kv_caches, strict=True):
+        f_qkv, f_o, f_gu, f_down = lay.fast
         # attention block: residual += hidden; qkv = qkv_proj(rms_norm(residual))
         if residual is None:
             residual = hidden
         else:
             residual = hidden + residual  # hidden may be a bfloat16 product: widened exactly
-        qkv = _proj(F.rms_norm(residual, ln1.weight.shape, ln1.weight, ln1.eps), sa.qkv_proj, f_qkv)
+        qkv = _proj(F.rms_norm(residual, lay.shape, lay.w1, lay.eps1), lay.qkv, f_qkv)
         T = qkv.shape[0]
-        attn = sa.attn
-        if one is not None and attn.sliding_window is None:
-            out = _attend_one(one, attn, qkv, sa.num_heads, sa.num_kv_heads, kv_cache, meta)
+        if one is not None and lay.window is None:
+            out = _attend_one(one, lay.attn, qkv, lay.hq, lay.hkv, kv_cache, meta)
         else:
-            q, k, v = qkv.to(dtype).split([sa.q_size, sa.kv_size, sa.kv_size], dim=-1)
-            out = attn.forward_native(q.view(T, sa.num_heads, sa.head_dim), k.view(T, sa.num_kv_heads, sa.head_dim),
-                                      v.view(T, sa.num_kv_heads, sa.head_dim), cos, sin, kv_cache, meta)
-        hidden = _proj(out.reshape(T, sa.q_size), sa.o_proj, f_o)
+            q, k, v = qkv.to(dtype).split([lay.q_size, lay.kv_size, lay.kv_size], dim=-1)
+            out = lay.attn.forward_native(q.view(T, lay.hq, lay.d), k.view(T, lay.hkv, lay.d),
+                                          v.view(T, lay.hkv, lay.d), cos, sin, kv_cache, meta)
+        hidden = _proj(out.reshape(T, lay.q_size), lay.o, f_o)
         # MLP block: residual += attention output; down(silu(gate) * up) of gate_up_proj(rms_norm(residual))
         residual = hidden + residual
-        gate_up = _proj(F.rms_norm(residual, ln2.weight.shape, ln2.weight, ln2.eps), mlp.gate_up_proj, f_gu)
+        gate_up = _proj(F.rms_norm(residual, lay.shape, lay.w2, lay.eps2), lay.gate_up, f_gu)
         gate, up = gate_up.chunk(2, dim=-1)
-        if f_down and one is not None:
+        if f_down is not None and one is not None:
             # silu in float32, the product rounded to bfloat16 as it is stored: what ``.to(bfloat16)`` of the
             # float32 product gives, without the float32 intermediate
             if one.act is None or one.act.shape != up.shape:
@@ -177,5 +206,5 @@ def run_lean_layers(plan: list[tuple], hidden: torch.Tensor, residual: torch.Ten
             act = torch.mul(F.silu(gate.to(dtype)), up, out=one.act)
         else:
             act = F.silu(gate.to(dtype)) * up.to(dtype)
-        hidden = _proj(act, mlp.down_proj, f_down)
+        hidden = _proj(act, lay.down, f_down)
     return hidden.to(dtype), residual
