@@ -134,3 +134,28 @@ def test_quantized_kv_cache_is_left_to_modules(monkeypatch, tiny_models) -> None
     embedded = model.model.embed_tokens(torch.tensor(PROMPT))
     cos, sin = model.model.rotary_emb.cos_sin(positions, embedded.dtype)
     assert llama_module.run_lean_layers(lean_plan(model.model), embedded, None, cos, sin, caches, meta) is None
+
+
+def test_long_prefill_matches_module_path(monkeypatch, tiny_models) -> None:
+    """A prefill of more rows than the lean loop widens inside the residual add (it casts first there)."""
+    model, cfg = tiny_models["w4a16"]
+    prompt = [(7 * i + 3) % TINY["vocab_size"] for i in range(80)]
+    lean, plain, ran = _both_paths(monkeypatch, model, cfg, [list(range(22))], [prompt], steps=2)
+    _assert_identical(lean, plain)
+    assert ran == 3
+
+
+def test_forward_hooks_send_the_step_to_the_modules(monkeypatch, tiny_models) -> None:
+    """Calibration (statistics from pre-hooks on the projections) and weight offload hook the modules: while a hook
+    is registered the modules run the step, so the hook sees every call; once removed, the lean loop is back."""
+    model, cfg = tiny_models["w4a16"]
+    seen = []
+    handle = model.model.layers[1].mlp.down_proj.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
+    try:
+        lean, plain, ran = _both_paths(monkeypatch, model, cfg, [[0, 1, 2, 3, 4]], [PROMPT], steps=2)
+    finally:
+        handle.remove()
+    assert ran == 0 and len(seen) == 2 * 3  # both runs, prefill and two decode steps each
+    _assert_identical(lean, plain)
+    monkeypatch.setenv("ROOFLM_CPU_LEAN", "on")
+    assert lean_plan(model.model) is not None

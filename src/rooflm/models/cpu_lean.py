@@ -1,14 +1,16 @@
 """A lean forward of the Llama decoder stack for a model on the CPU path.
 
-On a CPU a decode step of a small model spends as much time dispatching small ops from Python as multiplying: the
+On a CPU a decode step of a small model spends a large share of its time dispatching small ops from Python: the
 SmolLM2-135M step is four packed int4 matmuls per layer plus about forty small torch ops and a dozen module calls,
 each costing a few microseconds of Python and dispatcher time. ``run_lean_layers`` computes what the decoder layers
 compute, with the same torch ops in the same order (so the same floats, bit for bit), but as one plain loop:
 
-- no ``nn.Module.__call__`` / ``CustomOp`` dispatch per op (hooks are not supported on this path);
+- no ``nn.Module.__call__`` / ``CustomOp`` dispatch per op, and each layer's parts looked up once (a step with a
+  forward hook on any of the layers' modules goes through the modules instead);
 - a packed int4 projection calls torch's kernel directly (no permutation, split or bias to check per call);
-- the bfloat16 result of an int4 ``o_proj`` / ``down_proj`` is added to the float32 residual as it is: type promotion
-  widens it exactly, as the explicit ``.to(float32)`` of the module path does, one op fewer;
+- the bfloat16 result of an int4 ``o_proj`` / ``down_proj`` / ``qkv_proj`` enters the next float32 op as it is:
+  type promotion widens it exactly, as the explicit ``.to(float32)`` of the module path does, one op fewer; the
+  SiLU product is rounded to bfloat16 as it is stored (``out=``), as ``.to(bfloat16)`` of the float32 product is;
 - a single decoding sequence with full attention rotates, writes and attends inline (the CPU backend's maths), with
   the gather of its context replaced by a view when its KV blocks are consecutive (they usually are: the block pool
   hands out fresh blocks in order), which copies nothing.
@@ -16,7 +18,7 @@ compute, with the same torch ops in the same order (so the same floats, bit for 
 It runs only where every layer took the CPU path (``ops="auto"`` or ``"cpu"`` on the CPU, CPU attention backend),
 one tensor-parallel rank, one pipeline stage, a dense SwiGLU MLP, a float KV cache and no H2O score collection;
 anything else goes through the modules as before. ``ROOFLM_CPU_LEAN=off`` turns it off (read at every step).
-Checked against the module path in ``tests/unit/test_cpu_lean.py``.
+Checked against the module path in ``tests/models/test_cpu_lean.py``.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules import module as nn_module
 
 from rooflm.attention.backend import AttentionMetadata
 from rooflm.attention.cpu_backend import CpuAttention, _decode
@@ -55,16 +58,27 @@ def _linear_ok(lin) -> bool:
 
 def lean_plan(model) -> list | None:
     """One entry per layer when the whole stack of ``model`` (a ``LlamaModel``) can run lean, else None. Kept on
-    the model until an op re-chooses its implementation (``select_ops``, a quantized weight set or moved)."""
+    the model until an op re-chooses its implementation (``select_ops``, a quantized weight set or moved). A forward
+    hook or pre-hook on any module of the layers (calibration statistics, weight offload) sends the step to the
+    modules, which run it: checked at every step (about 30 us for 30 layers)."""
     if not lean_allowed_by_env() or model.pp_size != 1:
         return None
     key = (impl_generation(), len(model.layers))
     cached = model.__dict__.get("_lean_plan")
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    plan = _build_plan(model)
-    model.__dict__["_lean_plan"] = (key, plan)
+    if cached is None or cached[0] != key:
+        modules = tuple(m for layer in model.layers for m in layer.modules())
+        cached = (key, _build_plan(model), modules)
+        model.__dict__["_lean_plan"] = cached
+    _, plan, modules = cached
+    if plan is None or _hooked(modules):
+        return None
     return plan
+
+
+def _hooked(modules: tuple) -> bool:
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 def _build_plan(model) -> list | None:
@@ -114,6 +128,15 @@ def _proj(x: torch.Tensor, lin, fast: tuple | None) -> torch.Tensor:
     if lin.quant is None:
         return F.linear(x, lin.weight, lin.bias)
     return quant_linear_cpu(x, lin._cpu_weight, lin.bias)
+
+
+def _add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``x + residual`` in the residual's dtype. A bfloat16 ``x`` (an int4 product) is widened exactly either way:
+    inside the add for a few rows (one op fewer), by a cast first for many (torch's mixed-dtype add is not
+    vectorised: about 15% slower from 256 rows of 576)."""
+    if x.dtype != residual.dtype and x.shape[0] > 64:
+        x = x.to(residual.dtype)
+    return x + residual
 
 
 def _consecutive(blocks: torch.Tensor) -> bool:
@@ -184,7 +207,7 @@ def run_lean_layers(plan: list, hidden: torch.Tensor, residual: torch.Tensor | N
         if residual is None:
             residual = hidden
         else:
-            residual = hidden + residual  # hidden may be a bfloat16 product: widened exactly
+            residual = _add(hidden, residual)
         qkv = _proj(F.rms_norm(residual, lay.shape, lay.w1, lay.eps1), lay.qkv, f_qkv)
         T = qkv.shape[0]
         if one is not None and lay.window is None:
@@ -195,7 +218,7 @@ def run_lean_layers(plan: list, hidden: torch.Tensor, residual: torch.Tensor | N
                                           v.view(T, lay.hkv, lay.d), cos, sin, kv_cache, meta)
         hidden = _proj(out.reshape(T, lay.q_size), lay.o, f_o)
         # MLP block: residual += attention output; down(silu(gate) * up) of gate_up_proj(rms_norm(residual))
-        residual = hidden + residual
+        residual = _add(hidden, residual)
         gate_up = _proj(F.rms_norm(residual, lay.shape, lay.w2, lay.eps2), lay.gate_up, f_gu)
         gate, up = gate_up.chunk(2, dim=-1)
         if f_down is not None and one is not None:
