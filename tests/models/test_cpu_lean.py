@@ -159,3 +159,23 @@ def test_forward_hooks_send_the_step_to_the_modules(monkeypatch, tiny_models) ->
     _assert_identical(lean, plain)
     monkeypatch.setenv("ROOFLM_CPU_LEAN", "on")
     assert lean_plan(model.model) is not None
+
+
+def test_caches_carved_from_one_buffer_match_module_path(monkeypatch, tiny_models) -> None:
+    """Each layer's cache a view at an offset into one buffer: the lean loop's context views start there too."""
+    model, cfg = tiny_models["w4a16"]
+    shape = (2, 6, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+    runs = []
+    for flag in ("on", "off"):
+        monkeypatch.setenv("ROOFLM_CPU_LEAN", flag)
+        buffer = torch.zeros(cfg.num_hidden_layers + 1, *shape)
+        caches = [buffer[i + 1] for i in range(cfg.num_hidden_layers)]  # never at offset 0
+        ids, done, new, outs = PROMPT, 0, len(PROMPT), []
+        with torch.inference_mode():
+            for _ in range(4):
+                meta, positions = build_attention_metadata([[0, 1, 2, 3, 4]], [done], [new], BLOCK)
+                logits = model.compute_logits(model(torch.tensor(ids), positions, caches, meta)[-1:])
+                outs.append(logits)
+                ids, done, new = [int(logits.argmax())], done + new, 1
+        runs.append(outs)
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))

@@ -180,8 +180,9 @@ def _attend_one(step: _DecodeOne, attn, qkv: torch.Tensor, hq: int, hkv: int, kv
     if step.view is None:
         return _decode(q, kv_cache, meta, attn.scale, step.blocks)
     size, stride, k_off, v_off = step.view
-    k = kv_cache.as_strided(size, stride, k_off)
-    v = kv_cache.as_strided(size, stride, v_off)
+    base = kv_cache.storage_offset()  # a cache may be a view into a larger buffer
+    k = kv_cache.as_strided(size, stride, base + k_off)
+    v = kv_cache.as_strided(size, stride, base + v_off)
     qg = q.view(1, hkv, hq // hkv, d)  # query head h uses KV head h // group
     return F.scaled_dot_product_attention(qg, k, v, scale=attn.scale).view(1, hq, d)
 
