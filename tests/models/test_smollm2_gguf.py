@@ -97,6 +97,28 @@ def test_greedy_decode_through_cache_matches_transformers(ours, hf, tokenizer) -
     assert mine == out[0, len(ids):].tolist()
 
 
+@pytest.mark.parametrize("prompt", PROMPTS[:2])
+def test_lean_cpu_loop_decodes_the_same_tokens(kept, tokenizer, monkeypatch, prompt: str) -> None:
+    """The default model kept quantized, greedy through the cache: the CPU path's lean loop
+    (``rooflm.models.cpu_lean``) and the module-by-module forward give the same tokens and the same logits, bit for
+    bit."""
+    model, cfg = kept
+    ids = tokenizer(prompt).input_ids
+    runs = {}
+    for flag in ("on", "off"):
+        monkeypatch.setenv("ROOFLM_CPU_LEAN", flag)
+        runner = PagedRunner(model, cfg, len(ids) + 16, block_size=16)
+        logits = runner.step(ids)[-1]
+        tokens, steps = [], [logits]
+        for _ in range(16):
+            tokens.append(int(logits.argmax()))
+            logits = runner.step([tokens[-1]])[-1]
+            steps.append(logits)
+        runs[flag] = tokens, steps
+    assert runs["on"][0] == runs["off"][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs["on"][1], runs["off"][1], strict=True))
+
+
 def _perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     nll = torch.nn.functional.cross_entropy(logits[:-1].double(), torch.tensor(ids[1:]))
     return math.exp(nll.item())

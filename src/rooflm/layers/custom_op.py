@@ -102,6 +102,13 @@ class OpSelection:
 
 _DEFAULT = OpSelection(torch.device("cpu"), ops=NATIVE)
 _active: list[OpSelection] = []
+_impl_generation = 0  # bumped whenever an op (re)chooses its implementation or a quantized weight is set
+
+
+def impl_generation() -> int:
+    """A number that changes whenever any ``CustomOp`` re-chooses what it runs: whoever caches facts derived from
+    the chosen implementations (``rooflm.models.cpu_lean``) compares it instead of re-checking every op."""
+    return _impl_generation
 
 
 def current_op_selection() -> OpSelection:
@@ -140,6 +147,8 @@ class CustomOp(nn.Module):
         self._set_impl(selection.impl())
 
     def _set_impl(self, impl: str) -> None:
+        global _impl_generation
+        _impl_generation += 1
         self.impl = impl
         cls = type(self)
         if impl == TRITON:

@@ -39,6 +39,7 @@ from rooflm.layers.embedding import LMHead, VocabEmbedding
 from rooflm.layers.linear import Linear
 from rooflm.layers.norm import RMSNorm, RMSNormLinear
 from rooflm.layers.rotary import RotaryEmbedding
+from rooflm.models.cpu_lean import lean_plan, run_lean_layers
 from rooflm.models.weights import WeightTarget, load_named_weights, rows
 from rooflm.quantization.packed import PackedWeight
 
@@ -233,8 +234,14 @@ class LlamaModel(nn.Module):
             hidden, residual = receive_activations(input_ids.shape[0], self.hidden_size, self.norm.weight.dtype,
                                                    self.pp_rank)
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer], kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+        # the CPU path: the same maths without per-op module dispatch (rooflm.models.cpu_lean), where it applies
+        plan = lean_plan(self) if hidden.device.type == "cpu" else None
+        lean = run_lean_layers(plan, hidden, residual, cos, sin, kv_caches, meta) if plan else None
+        if lean is not None:
+            hidden, residual = lean
+        else:
+            for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer], kv_caches, strict=True):
+                hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
         if not self.is_last:
             send_activations(hidden, residual, self.pp_rank)
             return hidden
