@@ -46,16 +46,9 @@ def test_medusa_greedy_equals_plain_on_the_gpu(tmp_path, tree):
 def test_medusa_tree_steps_run_the_tree_masked_triton_kernel(tmp_path, monkeypatch):
     """With attention_backend="triton" the verify steps of a tree reach the Triton kernel with their masks (no
     reference fallback), and greedy tokens still equal plain decoding's."""
-    import rooflm.attention.triton_backend as tb
+    from tree_checks import count_tree_kernel_calls  # tests/kernels, on the path (tests/gpu/conftest.py)
 
-    calls = {"tree": 0}
-    kernel = tb.paged_prefill_attention
-
-    def counting(*args, tree=None, **kw):
-        calls["tree"] += tree is not None
-        return kernel(*args, tree=tree, **kw)
-
-    monkeypatch.setattr(tb, "paged_prefill_attention", counting)
+    calls = count_tree_kernel_calls(monkeypatch)
     _save_heads(tmp_path)
     plain, _ = _run(None, attention_backend="triton")
     assert calls["tree"] == 0

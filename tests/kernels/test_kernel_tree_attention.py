@@ -4,7 +4,7 @@ chain-shaped tree is exactly causal attention; the Triton backend takes the kern
 import pytest
 import torch
 
-from tree_checks import check_tree_backend, check_tree_prefill, run_tree_prefill
+from tree_checks import check_tree_backend, check_tree_prefill, count_tree_kernel_calls, run_tree_prefill
 
 
 # Sequence 0 and 2 verify trees (T = 5 and 8 nodes after 13 and 21 cached tokens); 1 is a plain prefill beside them.
@@ -130,20 +130,12 @@ def test_engine_medusa_tree_with_the_triton_backend_equals_plain_decoding(tmp_pa
     # tree (12 candidates for the next token, so some are accepted even with random heads) equal plain decoding's.
     # Larger weights (std 0.3) keep the tiny model's output from collapsing into one repeated token, so a node's
     # attention to the wrong siblings changes the tokens.
-    import rooflm.attention.triton_backend as tb
     from rooflm.config import EngineConfig
     from rooflm.engine.engine import LLMEngine
     from rooflm.sampling_params import SamplingParams
     from rooflm.spec_decode.medusa import MedusaHeads, model_identity, save_medusa_heads
 
-    calls = {"tree": 0}
-    kernel = tb.paged_prefill_attention
-
-    def counting(*args, tree=None, **kw):
-        calls["tree"] += tree is not None
-        return kernel(*args, tree=tree, **kw)
-
-    monkeypatch.setattr(tb, "paged_prefill_attention", counting)
+    calls = count_tree_kernel_calls(monkeypatch)
     heads = MedusaHeads(2, TINY["hidden_size"])
     with torch.no_grad():
         heads.weight.copy_(torch.randn(heads.weight.shape, generator=torch.Generator().manual_seed(0)) / 16)

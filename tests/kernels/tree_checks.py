@@ -90,3 +90,20 @@ def check_tree_backend(num_heads, num_kv_heads, head_dim, block_size, ctx_lens, 
     # the cache written by the backend, read by the reference: the attention alone
     assert_close(out, TorchRefAttention().attend(rq, cache, meta, scale, window), dtype, "tree backend attend")
     assert_close(out, ref, dtype, f"tree backend ctx={ctx_lens} q={q_lens} trees={tree_seqs} w={window}")
+
+
+def count_tree_kernel_calls(monkeypatch) -> dict[str, int]:
+    """Wrap the Triton backend's prefill kernel so a test can see that tree steps reach it with their masks:
+    returns a dict whose ``"tree"`` counts the calls that carried masks."""
+    import rooflm.attention.triton_backend as tb
+
+    calls = {"tree": 0}
+    kernel = tb.paged_prefill_attention
+
+    def counting(*args, tree=None, **kw):
+        calls["tree"] += tree is not None
+        return kernel(*args, tree=tree, **kw)
+
+    monkeypatch.setattr(tb, "paged_prefill_attention", counting)
+    return calls
+
