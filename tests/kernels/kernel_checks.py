@@ -124,6 +124,24 @@ def check_prefill(num_heads, num_kv_heads, head_dim, block_size, ctx_lens, q_len
                                   f"kv={kv_cache_dtype}")
 
 
+def run_backend_and_reference(backend, q, k, v, cache, meta, scale: float, window, g: torch.Generator):
+    """One attention step through ``backend`` and through TorchRefAttention, the protocol a model calls
+    (rotary_and_write, then attend), with random rotary tables drawn from ``g``; the reference works on a clone of
+    ``cache``. Returns (backend's rotated q, its output, the reference's rotated q, its output, the reference's
+    cache)."""
+    from rooflm.attention.torch_ref import TorchRefAttention
+
+    head_dim = q.shape[-1]
+    angles = 100 * torch.rand(q.shape[0], head_dim // 2, generator=g)  # per-token rows, as the model passes them
+    cos, sin = angles.cos().to(q.dtype).to(q.device), angles.sin().to(q.dtype).to(q.device)
+    cache_ref = cache.clone()
+    ref_q, _ = TorchRefAttention().rotary_and_write(q.clone(), k.clone(), v.clone(), cos, sin, cache_ref, meta)
+    ref = TorchRefAttention().attend(ref_q, cache_ref, meta, scale, window)
+    rq, _ = backend.rotary_and_write(q, k, v, cos, sin, cache, meta)
+    out = backend.attend(rq, cache, meta, scale, window)
+    return rq, out, ref_q, ref, cache_ref
+
+
 def check_backend(num_heads, num_kv_heads, head_dim, block_size, ctx_lens, q_lens, window=None,
                   dtype=torch.float16, device="cpu", seed=0, kv_cache_dtype="auto", backend_cls=None):
     """A backend (TritonAttention by default) against TorchRefAttention through the whole protocol a model calls
@@ -138,15 +156,8 @@ def check_backend(num_heads, num_kv_heads, head_dim, block_size, ctx_lens, q_len
     g = torch.Generator().manual_seed(seed)
     q, k, v, cache, meta = make_step(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, g,
                                      kv_cache_dtype)
-    angles = 100 * torch.rand(q.shape[0], head_dim // 2, generator=g)  # per-token rows, as the model passes them
-    cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
     scale = head_dim ** -0.5
-    cache_ref = cache.clone()
-    ref_q, _ = TorchRefAttention().rotary_and_write(q.clone(), k.clone(), v.clone(), cos, sin, cache_ref, meta)
-    ref = TorchRefAttention().attend(ref_q, cache_ref, meta, scale, window)
-    backend = backend_cls()
-    rq, _ = backend.rotary_and_write(q, k, v, cos, sin, cache, meta)
-    out = backend.attend(rq, cache, meta, scale, window)
+    rq, out, ref_q, ref, cache_ref = run_backend_and_reference(backend_cls(), q, k, v, cache, meta, scale, window, g)
     assert_close(rq, ref_q, dtype, "backend rotated q")
     written = torch.zeros(cache.shape[1] * cache.shape[2], dtype=torch.bool, device=device)
     written[meta.slot_mapping] = True

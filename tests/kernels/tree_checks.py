@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernel_checks import TOL, assert_close, make_step
+from kernel_checks import TOL, assert_close, make_step, run_backend_and_reference
 
 
 def random_parents(num_nodes: int, gen: torch.Generator) -> list[int]:
@@ -77,15 +77,8 @@ def check_tree_backend(num_heads, num_kv_heads, head_dim, block_size, ctx_lens, 
     g = torch.Generator().manual_seed(seed)
     q, k, v, cache, meta = make_step(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, g)
     meta.tree_masks = random_masks(q_lens, tree_seqs, g, device)
-    angles = 100 * torch.rand(q.shape[0], head_dim // 2, generator=g)
-    cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
     scale = head_dim ** -0.5
-    cache_ref = cache.clone()
-    ref_q, _ = TorchRefAttention().rotary_and_write(q.clone(), k.clone(), v.clone(), cos, sin, cache_ref, meta)
-    ref = TorchRefAttention().attend(ref_q, cache_ref, meta, scale, window)
-    backend = TritonAttention()
-    rq, _ = backend.rotary_and_write(q, k, v, cos, sin, cache, meta)
-    out = backend.attend(rq, cache, meta, scale, window)
+    rq, out, _, ref, _ = run_backend_and_reference(TritonAttention(), q, k, v, cache, meta, scale, window, g)
     assert meta.tree_masks_packed is not None, "the Triton backend did not take the tree-masked kernel path"
     # the cache written by the backend, read by the reference: the attention alone
     assert_close(out, TorchRefAttention().attend(rq, cache, meta, scale, window), dtype, "tree backend attend")
