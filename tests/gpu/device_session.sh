@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: run from the repository root as
 #   bash tests/gpu/device_session.sh STAGE...      (stages: info tests kbench latency1 latency32 prefill throughput
-#                                                   qlat fp8pre qtests kvlat qsweep offload newtests)
+#                                                   qlat fp8pre qtests kvlat qsweep offload newtests
+#                                                   swap hostcopy kvoffload multiturn)
 # JSON and profiles go to $OUT (or ./out), every stage's log is appended to $OUT/all.log (the device tool returns at
 # most 8 files). Every stage has its own time limit, so one failure does not sink the call.
 set -u
@@ -62,9 +63,19 @@ for stage in "$@"; do
               cat "$OUT/qsweep.json.tmp" >> "$OUT/qsweep.jsonl" 2>/dev/null; echo >> "$OUT/qsweep.jsonl"
             done; done; done; rm -f "$OUT/qsweep.json.tmp" ;;
     offload) TAIL=10 run offload_test 200 $PY -m pytest tests/gpu/test_gpu_weight_offload.py -q -p no:cacheprovider
-             run offload_70b 420 $PY tests/gpu/offload_bench.py llama-2-70b 75 64 ;;
+             run offload_70b ${OFFLOAD_LIMIT:-420} $PY tests/gpu/offload_bench.py llama-2-70b 75 64 ;;
     newtests) TAIL=20 run newtests 300 $PY -m pytest tests/gpu/test_gpu_structured.py tests/gpu/test_gpu_swap.py \
                 tests/gpu/test_gpu_weight_offload.py tests/gpu/test_gpu_async_engine.py -q -rs -p no:cacheprovider ;;
+    swap) TAIL=8 run swap_tests 150 $PY -m pytest tests/gpu/test_gpu_swap.py -q -rs -p no:cacheprovider
+          TAIL=14 run swap_bench 200 $PY -m rooflm.cli bench swap --model llama-2-7b --load-format dummy --dtype float16 \
+            --json "$OUT/swap.json" ;;
+    hostcopy) TAIL=30 run hostcopy 300 $PY tests/gpu/host_copy_bench.py copies multiturn ;;
+    kvoffload) TAIL=8 run kvoffload_tests 200 $PY -m pytest tests/gpu/test_gpu_kv_offload.py -q -rs -p no:cacheprovider ;;
+    multiturn) for m in ${MULTITURN_MODELS:-llama-2-7b llama-3-8b}; do
+                 TAIL=5 run "multiturn_$m" 200 $PY -m rooflm.cli bench multiturn --model $m --load-format dummy \
+                   --dtype float16 --num-users 16 --num-turns 6 --input-len 256 --output-len 64 --pool-fraction 0.25 \
+                   --kv-offload-gb 0,auto --json "$OUT/multiturn_$m.json"
+               done ;;
     *) echo "unknown stage $stage";;
   esac
 done

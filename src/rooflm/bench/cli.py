@@ -53,6 +53,7 @@ _BENCHMARKS = (
     ("throughput", "rooflm.bench.throughput", "offline throughput of the engine on a batch of requests"),
     ("spec", "rooflm.bench.speculative", "speculative decoding against plain decoding on the same prompts"),
     ("multiturn", "rooflm.bench.multiturn", "multi-turn chat: TTFT with and without the prefix cache's host tier"),
+    ("swap", "rooflm.bench.swap", "swap against recompute: the context length from which swapping a preempted KV wins"),
     ("serve", "rooflm.bench.serving", "load-test an OpenAI-compatible server (TTFT, TPOT, ITL, throughput, goodput)"),
     ("perplexity", "rooflm.bench.perplexity", "perplexity on a text excerpt, per quantization setting"),
 )

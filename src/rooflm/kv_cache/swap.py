@@ -16,6 +16,7 @@ never targets a host block a swap-in still reads.
 """
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -65,7 +66,9 @@ class SwapManager:
         self.bytes_per_block = bytes_per_block
         self.recompute_seconds = recompute_seconds
         self.bandwidth = bandwidth
-        self._free: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        # a min-heap: the lowest free ids first, so a request's host blocks form long runs of consecutive ids, each
+        # copied as one transfer (rooflm.worker.swap_space.host_runs)
+        self._free: list[int] = list(range(num_host_blocks))
         self._released: list[int] = []  # freed by this step's swap-ins: free once the step's output is built
         self.swapped: dict[str, list[int]] = {}  # request id -> its host blocks, in token order
         self._out: list[tuple[int, int]] = []  # (device block, host block)
@@ -91,7 +94,7 @@ class SwapManager:
         """Queue the copy of ``device_block_ids`` into fresh host blocks (the caller checked ``should_swap``)."""
         if req_id in self.swapped:
             raise ValueError(f"request {req_id!r} is already swapped out")
-        host = [self._free.pop() for _ in device_block_ids]
+        host = [heapq.heappop(self._free) for _ in device_block_ids]
         self.swapped[req_id] = host
         self._out.extend(zip(device_block_ids, host))
         self.stats.swap_outs += 1
@@ -113,12 +116,16 @@ class SwapManager:
         """A swapped-out request finished (aborted) before resuming: its host blocks are free again."""
         host = self.swapped.pop(req_id, None)
         if host is not None:
-            self._free.extend(host)
+            self._give_back(host)
 
     def take(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The step's (swap-out, swap-in) copies; the host blocks the swap-ins read become free from now on."""
         out, inn = self._out, self._in
         self._out, self._in = [], []
-        self._free.extend(self._released)
+        self._give_back(self._released)
         self._released = []
         return out, inn
+
+    def _give_back(self, host_ids: list[int]) -> None:
+        for h in host_ids:
+            heapq.heappush(self._free, h)
