@@ -231,6 +231,8 @@ class FakeEngine:
         else:
             tok = req.rng.choice(self._ALPHABET)
         seq.token_ids.append(tok)
+        if req.metrics.first_token_time is None:  # as the real engine's output processor stamps it
+            req.metrics.first_token_time = time.monotonic()
         self.generation_tokens += 1
         self._tokens_by_request[req.request_id] = self._tokens_by_request.get(req.request_id, 0) + 1
         text = self.tokenizer.decode(seq.token_ids)

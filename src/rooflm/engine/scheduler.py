@@ -148,7 +148,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = self._limit(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            num_new = granted = self._limit(req, min(req.num_tokens - req.num_computed_tokens, budget))
             if req.spec_token_ids and num_new == 1 and budget > 1:  # a decode with draft tokens to verify
                 spec_used[req.request_id] = n_spec = min(len(req.spec_token_ids), budget - 1)
                 num_new += n_spec
@@ -159,7 +159,7 @@ class Scheduler:
                 continue
             if self._compression(req) is not None:
                 spec_used.pop(req.request_id, None)  # no draft tokens: a step's tokens are capped by the budget
-                num_new = self._compress(req, min(req.num_tokens - req.num_computed_tokens, budget))
+                num_new = self._compress(req, granted)
             # cache indices run behind positions by the tokens compression dropped
             cached = req.num_computed_tokens - req.num_dropped_tokens
             while not self.kv.allocate_slots(req.request_id, cached, self._slots(req, req.num_computed_tokens + num_new)

@@ -378,7 +378,7 @@ class OpenAIServing(_RequestPreparation, _ResponseRendering):
                         choice["stop_reason"] = o.stop_reason
                         done.add(key)
                     yield chunk(choice)
-                    if first and o.token_ids:  # sent (the stream resumes once the chunk is written)
+                    if first and o.token_ids and o.index == 0:  # sent: the stream resumes once it is written
                         self._first_token_sent(streams[i].request_id, out, arrival)
             if prep.include_usage:
                 yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
