@@ -194,6 +194,17 @@ def test_lower_classes_share_one_prefill_chunk_per_step():
     assert got == [{"a": 8}, {"a": 4, "b": 4}, {"a": 1, "b": 8}]
 
 
+def test_a_compressed_lower_priority_prompt_keeps_its_chunks():
+    from rooflm.kv_cache.compression import KVCompressionConfig
+
+    s = make_scheduler("priority", budget=64, priority_prefill_chunk=8)
+    s.compression = KVCompressionConfig(method="streaming", budget=64, sink=4)  # up to 56 new tokens a step
+    s.add_request(make_request("seen", 4, max_tokens=1, priority=0, start=50))
+    step(s)
+    s.add_request(make_request("low", 20, max_tokens=1, priority=1, start=100))
+    assert [step(s).num_scheduled_tokens["low"] for _ in range(3)] == [8, 8, 4]
+
+
 def test_priority_prefill_chunk_is_validated():
     with pytest.raises(ValueError, match="priority_prefill_chunk=0"):
         SchedulerConfig(priority_prefill_chunk=0)
