@@ -214,6 +214,10 @@ class SchedulerConfig:
     # fair (Virtual Token Counter, Sheng et al. 2024): service per prompt token and per generated token.
     fair_input_weight: float = 1.0
     fair_output_weight: float = 2.0
+    # priority: the most prompt tokens the requests of classes worse than the best seen compute per step together
+    # (a step in flight is what a better-class arrival waits for first), and none while a better class computes its
+    # prompt (rooflm.engine.policy); None: neither rule.
+    priority_prefill_chunk: int | None = 16
 
     def __post_init__(self) -> None:
         for f in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "mlfq_num_levels", "mlfq_quantum",
@@ -228,6 +232,9 @@ class SchedulerConfig:
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise _bad("SchedulerConfig", f, v, "a number > 0")
+        v = self.priority_prefill_chunk
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise _bad("SchedulerConfig", "priority_prefill_chunk", v, "None or a positive integer")
 
 
 @dataclass
@@ -272,6 +279,7 @@ class EngineConfig:
     mlfq_starvation_steps: int = SchedulerConfig.mlfq_starvation_steps
     fair_input_weight: float = SchedulerConfig.fair_input_weight
     fair_output_weight: float = SchedulerConfig.fair_output_weight
+    priority_prefill_chunk: int | None = SchedulerConfig.priority_prefill_chunk
     # How the projections are stored and multiplied (vLLM's names; rooflm.quantization.config): None (what the
     # checkpoint holds: float, GPTQ/AWQ, or a GGUF file kept quantized), "none", "w8a16", "w4a16", "gptq", "awq",
     # "gguf", "fp8".

@@ -60,8 +60,10 @@ def test_engine_rejection_leaves_the_engine_untouched(make_engine, mixed_prompts
     assert engine.admission.predict(32, engine.scheduler.running, engine.scheduler.waiting) == pytest.approx(0.138)
     with pytest.raises(SLORejectedError, match="ttft_slo_ms=100") as e:
         engine.add_request("c", prompt, params)
-    # the replay stops at the first step past the SLO: 126 ms
-    assert e.value.predicted_s == pytest.approx(0.126) and e.value.slo_s == pytest.approx(0.1)
+    # the replay stops at the first step past the SLO: 126 ms of steps, after the time c spent in add_request so far
+    # (no first token was delivered yet: nothing else is added)
+    assert e.value.predicted_s - e.value.outside_s == pytest.approx(0.126) and e.value.slo_s == pytest.approx(0.1)
+    assert e.value.outside_s >= 0
     assert engine.scheduler.num_waiting == 2 and "c" not in engine.output_processor.parents
     while engine.has_unfinished_requests():
         engine.step()
@@ -142,3 +144,79 @@ def test_fraction_quantile_ranks_the_recent_steps():
     assert roof.fraction_quantile(0.1) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="q=0"):
         roof.fraction_quantile(0)
+
+
+def test_recent_quantile_is_the_nearest_rank_of_the_window():
+    from rooflm.engine.admission import RecentQuantile
+
+    r = RecentQuantile(0.9, window=10)
+    assert r.value() == 0.0  # nothing learned yet: no time is added
+    for ms in range(1, 11):  # 1..10 ms
+        r.observe(ms / 1e3)
+    assert r.value() == pytest.approx(0.009)  # nearest rank: the 9th of 10
+    r.observe(-1.0)  # a clock that went backwards
+    r.observe(float("nan"))
+    assert len(r) == 10
+    for _ in range(9):  # the window keeps the last ten: nine of 50 ms and the 10 ms one
+        r.observe(0.050)
+    assert r.value() == pytest.approx(0.050)
+    assert RecentQuantile(0.5, window=4).value() == 0.0
+    with pytest.raises(ValueError, match="q="):
+        RecentQuantile(0.0, window=4)
+    with pytest.raises(ValueError, match="window="):
+        RecentQuantile(0.9, window=0)
+
+
+def test_check_counts_the_time_before_the_engine_and_the_delivery():
+    """The client's TTFT = the time the request spent before reaching the engine (known exactly at admission) + the
+    engine's steps (predicted) + the delivery of the first token (a recent high quantile of measured deliveries)."""
+
+    class Sched:
+        running: list = []
+        waiting: list = []
+
+    p = TTFTPredictor(step_time, max_num_batched_tokens=8, max_num_seqs=4)
+    engine_s = p.predict(8, [], [])  # one step: 18 ms
+    assert engine_s == pytest.approx(0.018)
+    assert p.check("a", 8, Sched, slo_s=0.1) == pytest.approx(engine_s)
+    assert p.check("a", 8, Sched, slo_s=0.1, waited_s=0.050) == pytest.approx(0.050 + engine_s)
+    for ms in (5, 10, 20, 30, 40, 5, 5, 5, 5, 5):
+        p.delivery.observe(ms / 1e3)
+    assert p.delivery.value() == pytest.approx(0.030)  # the 9th of the 10 sorted
+    assert p.check("a", 8, Sched, slo_s=0.1, waited_s=0.050) == pytest.approx(0.050 + engine_s + 0.030)
+    with pytest.raises(SLORejectedError) as e:  # 60 + 18 + 30 ms > 100 ms
+        p.check("b", 8, Sched, slo_s=0.1, waited_s=0.060)
+    assert e.value.predicted_s == pytest.approx(0.060 + engine_s + 0.030)
+    assert e.value.outside_s == pytest.approx(0.060 + 0.030) and "90 ms of it outside" in str(e.value)
+    with pytest.raises(SLORejectedError):  # already past the SLO before the engine saw it
+        p.check("c", 8, Sched, slo_s=0.1, waited_s=0.2)
+
+
+def test_engine_counts_the_time_since_the_server_received_the_request(make_engine, mixed_prompts):
+    """``arrival_time`` (the server's stamp) is the start of the client's wait: a request that arrived long ago is
+    refused although the engine alone would serve it in time, and an admitted request's metrics start there."""
+    import time
+
+    engine = make_engine(ttft_slo_ms=100, max_num_batched_tokens=32)
+    engine.admission.step_time = step_time
+    prompt = [t for p in mixed_prompts for t in p][:32]  # one step alone: 42 ms
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    with pytest.raises(SLORejectedError) as e:
+        engine.add_request("late", prompt, params, arrival_time=time.monotonic() - 10.0)
+    assert e.value.predicted_s >= 10.0 + 0.042
+    assert engine.scheduler.num_waiting == 0
+    arrival = time.monotonic()
+    engine.add_request("a", prompt, params, arrival_time=arrival)
+    assert engine.scheduler.waiting[0].metrics.arrival_time == arrival
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_async_engine_hands_deliveries_to_admission(make_engine):
+    from rooflm.engine.async_engine import AsyncLLMEngine
+
+    engine = make_engine(ttft_slo_ms=100)
+    a = AsyncLLMEngine(engine)
+    a.observe_first_token_delivery("x", 0.25)
+    assert len(engine.admission.delivery) == 1 and engine.admission.delivery.value() == 0.25
+    AsyncLLMEngine(make_engine()).observe_first_token_delivery("x", 0.25)  # no admission: nothing to learn

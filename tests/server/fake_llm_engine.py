@@ -141,7 +141,8 @@ class FakeEngine:
             self._changed.notify_all()
 
     # ------------------------------------------------------------------ contract
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
         if request_id in self._running or any(r.request_id == request_id for r in self._waiting):
             raise ValueError(f"request_id={request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -152,7 +153,7 @@ class FakeEngine:
         seed = params.seed if params.seed is not None else hash(tuple(ids)) & 0xFFFF
         req = _Req(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                    [_Seq(i) for i in range(params.n)], random.Random(seed),
-                   RequestMetrics(arrival_time=time.monotonic()))
+                   RequestMetrics(arrival_time=arrival_time or time.monotonic()))
         self._waiting.append(req)
         self.added.append(request_id)
         self.params[request_id] = params
@@ -230,6 +231,8 @@ class FakeEngine:
         else:
             tok = req.rng.choice(self._ALPHABET)
         seq.token_ids.append(tok)
+        if req.metrics.first_token_time is None:  # as the real engine's output processor stamps it
+            req.metrics.first_token_time = time.monotonic()
         self.generation_tokens += 1
         self._tokens_by_request[req.request_id] = self._tokens_by_request.get(req.request_id, 0) + 1
         text = self.tokenizer.decode(seq.token_ids)

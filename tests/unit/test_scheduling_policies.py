@@ -63,8 +63,9 @@ def test_fcfs_admits_in_arrival_order_whatever_the_priority():
 
 def _three_running(policy: str) -> Scheduler:
     """b (priority 1), c (priority 1), a (priority 0) in that arrival order, each 4 prompt tokens (one block) in a
-    pool of 4 blocks: after the prefill every one needs a second block and only one is free."""
-    s = make_scheduler(policy, num_blocks=4)
+    pool of 4 blocks: after the prefill every one needs a second block and only one is free. (Without
+    ``priority_prefill_chunk``, so that all three prompts share the first step.)"""
+    s = make_scheduler(policy, num_blocks=4, priority_prefill_chunk=None)
     s.add_request(make_request("b", 4, priority=1, start=200))
     s.add_request(make_request("c", 4, priority=1, start=300))
     s.add_request(make_request("a", 4, priority=0, start=100))
@@ -88,8 +89,9 @@ def test_fcfs_preempts_the_latest_admitted_whatever_the_priority():
 
 
 def test_priority_never_preempts_a_higher_priority_request_for_a_lower_one():
-    # b (priority 5) arrives first; a (priority 0) second. 3 blocks: both prefill, then one block for two requests.
-    s = make_scheduler("priority", num_blocks=3)
+    # b (priority 5) arrives first; a (priority 0) second. 3 blocks: both prefill (in one step: no
+    # priority_prefill_chunk), then one block for two requests.
+    s = make_scheduler("priority", num_blocks=3, priority_prefill_chunk=None)
     s.add_request(make_request("b", 4, priority=5, start=200))
     s.add_request(make_request("a", 4, priority=0, start=100))
     step(s)
@@ -119,8 +121,9 @@ def test_a_waiting_higher_priority_request_preempts_when_the_batch_is_full():
 
 
 def test_a_waiting_higher_priority_request_preempts_when_the_pool_is_short():
-    # 6 blocks: a and b hold 3 each (11-token prompts, room for their first output); urgent needs 1.
-    s = make_scheduler("priority", num_blocks=6)
+    # 6 blocks: a and b hold 3 each (11-token prompts, room for their first output, computed in one step: no
+    # priority_prefill_chunk); urgent needs 1.
+    s = make_scheduler("priority", num_blocks=6, priority_prefill_chunk=None)
     s.add_request(make_request("a", 11, max_tokens=8, priority=2, start=100))
     s.add_request(make_request("b", 11, max_tokens=8, priority=3, start=200))
     step(s)
@@ -130,6 +133,81 @@ def test_a_waiting_higher_priority_request_preempts_when_the_pool_is_short():
     assert "urgent" in out.num_scheduled_tokens
     assert out.preempted_req_ids == {"b"} and out.num_scheduled_tokens == {"a": 1, "urgent": 3}
     assert admission_order(s)[0] == "b"
+
+
+def _decoding_lows(s: Scheduler, n: int) -> None:
+    for i in range(n):
+        s.add_request(make_request(f"low{i}", 4, max_tokens=50, priority=1, start=1000 + 100 * i))
+    step(s)  # their prompts: now each decodes one token a step
+
+
+def test_a_high_priority_prompt_gets_its_step_without_lower_priority_prefill():
+    s = make_scheduler("priority", budget=64, max_seqs=4)
+    _decoding_lows(s, 2)
+    s.add_request(make_request("next_low", 12, priority=1, start=500))
+    s.add_request(make_request("high", 12, max_tokens=4, priority=0, start=600))
+    out = step(s)
+    # the lows' decodes run; next_low, with seats and budget free, is not admitted beside high's prompt
+    assert out.num_scheduled_tokens == {"low0": 1, "low1": 1, "high": 12}
+    out = step(s)
+    assert out.num_scheduled_tokens["next_low"] > 1 and out.num_scheduled_tokens["high"] == 1
+
+
+def test_a_running_lower_priority_prompt_pauses_for_a_high_priority_prompt():
+    s = make_scheduler("priority", budget=64, max_seqs=4, priority_prefill_chunk=8)
+    s.add_request(make_request("seen", 4, max_tokens=1, priority=0, start=50))  # a better class was seen
+    step(s)
+    s.add_request(make_request("low", 20, priority=1, start=100))
+    assert step(s).num_scheduled_tokens == {"low": 8}  # chunks of priority_prefill_chunk
+    s.add_request(make_request("high", 30, max_tokens=2, priority=0, start=200))
+    assert step(s).num_scheduled_tokens == {"high": 30}  # low's next chunk waits a step
+    assert [step(s).num_scheduled_tokens for _ in range(3)] == [{"high": 1, "low": 8}, {"low": 4}, {"low": 1}]
+
+
+@pytest.mark.parametrize("chunk,first,chunks", [(16, [{"peer": 40}], [16, 16, 8]),
+                                               (None, [{"peer": 40, "later": 24}], [16])])
+def test_lower_classes_prompts_are_chunked_once_a_better_class_was_seen(chunk, first, chunks):
+    s = make_scheduler("priority", budget=64, priority_prefill_chunk=chunk)
+    s.add_request(make_request("first", 40, max_tokens=1, priority=1, start=100))
+    assert step(s).num_scheduled_tokens == {"first": 40}  # priority 1 is the best seen so far: not limited
+    s.add_request(make_request("high", 4, max_tokens=1, priority=0, start=300))
+    step(s)
+    assert not s.has_unfinished()
+    s.add_request(make_request("later", 40, max_tokens=1, priority=1, start=500))
+    s.add_request(make_request("peer", 40, max_tokens=1, priority=0, start=700))  # the best class: not limited
+    got = []
+    while s.has_unfinished():
+        out = step(s)
+        got.append(out.num_scheduled_tokens)
+    assert got[:1] == first  # with the rules: the best class first, alone
+    assert [g["later"] for g in got[1:]] == chunks  # ... then in chunks; without: the step's budget (64) is the limit
+
+
+def test_lower_classes_share_one_prefill_chunk_per_step():
+    s = make_scheduler("priority", budget=64, priority_prefill_chunk=8)
+    s.add_request(make_request("seen", 4, max_tokens=1, priority=0, start=50))
+    step(s)
+    s.add_request(make_request("a", 12, max_tokens=2, priority=1, start=100))
+    s.add_request(make_request("b", 12, max_tokens=2, priority=1, start=200))
+    got = [step(s).num_scheduled_tokens for _ in range(3)]
+    # 8 prompt tokens a step between them; a's decode is not counted
+    assert got == [{"a": 8}, {"a": 4, "b": 4}, {"a": 1, "b": 8}]
+
+
+def test_a_compressed_lower_priority_prompt_keeps_its_chunks():
+    from rooflm.kv_cache.compression import KVCompressionConfig
+
+    s = make_scheduler("priority", budget=64, priority_prefill_chunk=8)
+    s.compression = KVCompressionConfig(method="streaming", budget=64, sink=4)  # up to 56 new tokens a step
+    s.add_request(make_request("seen", 4, max_tokens=1, priority=0, start=50))
+    step(s)
+    s.add_request(make_request("low", 20, max_tokens=1, priority=1, start=100))
+    assert [step(s).num_scheduled_tokens["low"] for _ in range(3)] == [8, 8, 4]
+
+
+def test_priority_prefill_chunk_is_validated():
+    with pytest.raises(ValueError, match="priority_prefill_chunk=0"):
+        SchedulerConfig(priority_prefill_chunk=0)
 
 
 # -- mlfq -------------------------------------------------------------------------------------------------------------

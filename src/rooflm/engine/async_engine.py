@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 class EngineProtocol(Protocol):
     """What AsyncLLMEngine needs from the synchronous engine (``rooflm.engine.engine.LLMEngine`` honours it)."""
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None: ...
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None: ...
 
     def step(self) -> list[RequestOutput]: ...
 
@@ -68,6 +69,7 @@ class _AddCommand:
     prompt: str | list[int]
     params: SamplingParams
     stream: "RequestStream"
+    arrival_time: float | None = None  # time.monotonic() when the server received it (None: when added)
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -200,16 +202,18 @@ class AsyncLLMEngine:
         async for out in self.iterate(stream):
             yield out
 
-    async def add_request(self, prompt: str | list[int], params: SamplingParams,
-                          request_id: str | None = None) -> RequestStream:
-        """Admit and add one request; returns its stream once the engine thread accepted it."""
+    async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                          arrival_time: float | None = None) -> RequestStream:
+        """Admit and add one request; returns its stream once the engine thread accepted it. ``arrival_time``
+        (``time.monotonic()``): when the server received it, so the engine's TTFT (and SLO-aware admission) count the
+        time spent before it reached the engine."""
         if self._thread is None:
             self.start()
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         num_seqs = int(getattr(params, "n", 1) or 1)
         stream = RequestStream(request_id, asyncio.get_running_loop(), num_seqs)
         self._admit(num_seqs)
-        cmd = _AddCommand(request_id, prompt, params, stream)
+        cmd = _AddCommand(request_id, prompt, params, stream, arrival_time)
         self._submit(cmd)
         try:
             await asyncio.wrap_future(cmd.done)
@@ -239,6 +243,14 @@ class AsyncLLMEngine:
         finally:
             if not finished:
                 self.abort(stream.request_id)
+
+    def observe_first_token_delivery(self, request_id: str, seconds: float) -> None:
+        """Thread-safe: the server sent a request's first token ``seconds`` after the engine stamped it
+        (``RequestMetrics.first_token_time``). SLO-aware admission adds a recent high quantile of these to its
+        predictions (``rooflm.engine.admission``); without admission this is a no-op."""
+        admission = getattr(self.engine, "admission", None)
+        if admission is not None:
+            admission.delivery.observe(seconds)
 
     def abort(self, request_id: str) -> None:
         """Thread-safe, non-blocking: abort the request at the engine thread's next turn (no-op if finished)."""
@@ -316,7 +328,8 @@ class AsyncLLMEngine:
                     self._release(cmd.stream)
                     continue
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+                    when = {} if cmd.arrival_time is None else {"arrival_time": cmd.arrival_time}
+                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, **when)
                 except Exception as e:  # ValueError: bad input; the caller maps it to a 400
                     self._release(cmd.stream)
                     cmd.done.set_exception(e)

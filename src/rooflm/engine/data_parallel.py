@@ -182,13 +182,13 @@ class DataParallelEngine:
         async for out in self.iterate(stream):
             yield out
 
-    async def add_request(self, prompt: str | list[int], params: SamplingParams,
-                          request_id: str | None = None) -> RequestStream:
+    async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                          arrival_time: float | None = None) -> RequestStream:
         i = self.router.pick(prompt)
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         self._where[request_id] = i  # before the add: an abort may come while the replica takes it
         try:
-            return await self.replicas[i].add_request(prompt, params, request_id)
+            return await self.replicas[i].add_request(prompt, params, request_id, arrival_time)
         except BaseException:
             self._where.pop(request_id, None)
             raise
@@ -200,6 +200,11 @@ class DataParallelEngine:
                 yield out
         finally:
             self._where.pop(stream.request_id, None)
+
+    def observe_first_token_delivery(self, request_id: str, seconds: float) -> None:
+        i = self._where.get(request_id)
+        if i is not None:
+            self.replicas[i].observe_first_token_delivery(request_id, seconds)
 
     def abort(self, request_id: str) -> None:
         i = self._where.pop(request_id, None)

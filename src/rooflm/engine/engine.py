@@ -318,9 +318,13 @@ class LLMEngine:
         if params.kv_compression is not None and self.runner.drafter is not None:
             raise ValueError(f"kv_compression={params.kv_compression} is not supported with speculative_config method "
                              f"{self.spec_config.method!r} (the draft's cache follows uncompressed positions)")
-        if self.admission is not None:  # SLORejectedError: nothing was queued
-            self.admission.check(request_id, n, self.scheduler, self.config.ttft_slo_ms / 1e3, len(self._in_flight))
         arrival = arrival_time or time.monotonic()
+        if self.admission is not None:  # SLORejectedError: nothing was queued
+            waited = time.monotonic() - arrival  # since the server received it (its own clock: time.monotonic)
+            predicted = self.admission.check(request_id, n, self.scheduler, self.config.ttft_slo_ms / 1e3,
+                                             len(self._in_flight), waited)
+            logger.debug("admitted %s: predicted TTFT %.0f ms (%.0f ms before the engine)", request_id,
+                         predicted * 1e3, waited * 1e3)
         child_params = [params.clone(n=1) if i == 0 else params.clone(n=1, prompt_logprobs=None)
                         for i in range(params.n)]
         metrics = [RequestMetrics(arrival_time=arrival) for _ in range(params.n)]

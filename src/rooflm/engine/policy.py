@@ -9,6 +9,8 @@ admissions, under one token budget, ``max_num_seqs`` and the KV pool. A policy o
 - ``victim(running)``: whom to preempt when the pool runs short;
 - ``outranks(candidate, victim)``: may a waiting request preempt a running one to be admitted (never, for FCFS and
   ``fair``);
+- ``grant_prefill(req, num_new)``: how many of the ``num_new`` prompt tokens (a prompt's chunk, or the recomputation
+  after a preemption) ``req`` may compute this step (all of them, except under ``priority``);
 - hooks to keep its own state: ``add``, ``before_schedule``, ``on_admit``, ``on_finish``.
 
 Policies:
@@ -16,7 +18,13 @@ Policies:
 - ``fcfs``: first come, first served; the most recently admitted running request is preempted (the default).
 - ``priority``: vLLM's semantics: a lower ``priority`` value is served first, ties by arrival; the victim is the
   lowest-priority, latest-arrived running request, and a waiting request preempts running ones of strictly lower
-  priority (never one of equal or higher priority).
+  priority (never one of equal or higher priority). A request's first token waits for the step in flight when it
+  arrives and then for its own prompt's step, so two rules keep both short for the best class seen so far:
+  requests of a worse class compute at most ``priority_prefill_chunk`` prompt tokens per step together (so the
+  step a better-class arrival waits for holds at most that much lower-priority prefill, instead of whole
+  prompts), and a step in which a request of the best class present has prompt tokens to compute gives worse
+  classes no prompt tokens, so its prompt does not share the step with lower-priority prefill. Decodes (one token
+  each) are never held back. ``priority_prefill_chunk=None`` turns both rules off.
 - ``mlfq``: FastServe's skip-join multi-level feedback queue (Wu et al. 2023, "Fast Distributed Inference Serving
   for Large Language Models"). Level ``i`` has a quantum of ``mlfq_quantum * 2**i`` generated tokens; a request
   joins the level its prompt length selects (skip-join: a long prompt's first iteration is long, so it skips the
@@ -73,6 +81,9 @@ class FCFSPolicy:
     def on_finish(self, req: "Request") -> None:
         pass
 
+    def grant_prefill(self, req: "Request", num_new: int) -> int:
+        return num_new
+
 
 class _KeyedPolicy(FCFSPolicy):
     """A policy with a sort key per request (smaller is served first); ties go to the earlier arrival."""
@@ -98,8 +109,36 @@ class _KeyedPolicy(FCFSPolicy):
 class PriorityPolicy(_KeyedPolicy):
     name = "priority"
 
+    def __init__(self, prefill_chunk: int | None = None) -> None:
+        self.prefill_chunk = prefill_chunk  # None: worse classes' prompts are not limited
+        self.best_seen: int | None = None  # the best (smallest) priority value added so far
+        self.urgent: int | None = None  # this step: the best class among requests with prompt tokens to compute
+        self.chunk_left = 0  # this step: prompt tokens worse classes may still compute
+
     def key(self, req: "Request") -> tuple[int, int]:
         return req.params.priority, req.arrival_index
+
+    def add(self, req: "Request", waiting: Sequence["Request"]) -> None:
+        p = req.params.priority
+        self.best_seen = p if self.best_seen is None else min(self.best_seen, p)
+
+    def before_schedule(self, waiting: Sequence["Request"], running: list["Request"]) -> None:
+        pending = [r.params.priority for r in running if r.num_computed_tokens < r.num_prompt_tokens]
+        pending += [r.params.priority for r in waiting]
+        self.urgent = min(pending, default=None)
+        self.chunk_left = self.prefill_chunk or 0
+
+    def grant_prefill(self, req: "Request", num_new: int) -> int:
+        p = req.params.priority
+        if self.prefill_chunk is None:  # the plain priority order (vLLM's)
+            return num_new
+        if self.urgent is not None and p > self.urgent:
+            return 0  # a better class computes its prompt this step: it gets the step to itself
+        if self.best_seen is None or p <= self.best_seen:
+            return num_new
+        granted = min(num_new, self.chunk_left)
+        self.chunk_left -= granted
+        return granted
 
 
 class MLFQPolicy(_KeyedPolicy):
@@ -220,7 +259,7 @@ def make_policy(config: "SchedulerConfig") -> FCFSPolicy:
     if name == "fcfs":
         return FCFSPolicy()
     if name == "priority":
-        return PriorityPolicy()
+        return PriorityPolicy(config.priority_prefill_chunk)
     if name == "mlfq":
         return MLFQPolicy(config.mlfq_num_levels, config.mlfq_quantum, config.mlfq_skip_join_tokens,
                           config.mlfq_starvation_steps)

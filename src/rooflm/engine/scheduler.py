@@ -148,7 +148,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = granted = self._limit(req, min(req.num_tokens - req.num_computed_tokens, budget))
             if req.spec_token_ids and num_new == 1 and budget > 1:  # a decode with draft tokens to verify
                 spec_used[req.request_id] = n_spec = min(len(req.spec_token_ids), budget - 1)
                 num_new += n_spec
@@ -159,7 +159,7 @@ class Scheduler:
                 continue
             if self._compression(req) is not None:
                 spec_used.pop(req.request_id, None)  # no draft tokens: a step's tokens are capped by the budget
-                num_new = self._compress(req, min(req.num_tokens - req.num_computed_tokens, budget))
+                num_new = self._compress(req, granted)
             # cache indices run behind positions by the tokens compression dropped
             cached = req.num_computed_tokens - req.num_dropped_tokens
             while not self.kv.allocate_slots(req.request_id, cached, self._slots(req, req.num_computed_tokens + num_new)
@@ -220,7 +220,11 @@ class Scheduler:
                 if self.host_tier is not None:  # the blocks after the device's hits may wait in host memory
                     held = self.host_tier.hold(hashes, len(hits), self._max_hit_blocks(req, hashes))
                     num_cached += len(held) * self.kv.block_size
-            num_new = min(req.num_tokens - num_cached, budget)
+            num_new = self._limit(req, min(req.num_tokens - num_cached, budget))
+            if num_new <= 0:  # the policy defers its prompt this step: nobody jumps the policy's queue
+                if held:
+                    self.host_tier.release(held)
+                break
             if comp is not None:
                 num_new = min(num_new, comp.max_new_tokens(self.kv.block_size))
             if not (self._swap_in(req, num_new) if swapped
@@ -252,6 +256,10 @@ class Scheduler:
             self.running.append(req)
             chosen[req.request_id] = num_new
             budget -= num_new
+
+    def _limit(self, req: Request, num_new: int) -> int:
+        """The prompt tokens of ``num_new`` the policy grants this step (a decode's one token is never held back)."""
+        return self.policy.grant_prefill(req, num_new) if num_new > 1 else num_new
 
     def _max_hit_blocks(self, req: Request, hashes: list[int]) -> int:
         """Full prompt blocks a cache may supply: at least one token is left to compute (it gives the logits)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
@@ -153,11 +154,13 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, served_mode
 
     @app.post("/v1/completions", openapi_extra=_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
-        return await serving.create_completion(await body_of(request), request)
+        arrival = time.monotonic()  # the request's TTFT (and SLO-aware admission) count from here
+        return await serving.create_completion(await body_of(request), request, arrival)
 
     @app.post("/v1/chat/completions", openapi_extra=_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        return await serving.create_chat_completion(await body_of(request), request)
+        arrival = time.monotonic()
+        return await serving.create_chat_completion(await body_of(request), request, arrival)
 
     @app.post("/tokenize", openapi_extra=_schema(TokenizeRequest))
     async def tokenize(request: Request) -> dict[str, Any]:

@@ -153,6 +153,8 @@ def run_server(args: argparse.Namespace) -> int:
                                timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on",
                                http=header_timeout_protocol(args.header_timeout),
                                limit_concurrency=args.limit_concurrency)
+    if args.log_level == "debug":  # rooflm's own debug lines too (e.g. each admitted request's predicted TTFT)
+        logging.getLogger("rooflm").setLevel(logging.DEBUG)
     install_rate_limit()
     server = _Server(uv_config, app.state.serving)
     server.run(sockets=[sock])

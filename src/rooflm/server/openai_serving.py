@@ -137,11 +137,13 @@ class OpenAIServing(_RequestPreparation, _ResponseRendering):
         return text
 
     # ------------------------------------------------------------------------------------------------ engine
-    async def _add_all(self, prep: _Prepared, response_id: str) -> list[RequestStream]:
+    async def _add_all(self, prep: _Prepared, response_id: str, arrival: float | None = None
+                       ) -> list[RequestStream]:
         streams: list[RequestStream] = []
         try:
             for i, (ids, params) in enumerate(zip(prep.prompts, prep.params)):
-                streams.append(await self.engine.add_request(ids, params, request_id=f"{response_id}-{i}"))
+                streams.append(await self.engine.add_request(ids, params, request_id=f"{response_id}-{i}",
+                                                             arrival_time=arrival))
         except BaseException as e:
             self._abort_all(streams)
             if isinstance(e, QueueFullError):
@@ -212,21 +214,24 @@ class OpenAIServing(_RequestPreparation, _ResponseRendering):
         return [f for f in finals if f is not None]
 
     # ------------------------------------------------------------------------------------------------ endpoints
-    async def create_completion(self, raw: bytes, request: Request) -> Response:
+    async def create_completion(self, raw: bytes, request: Request, arrival: float | None = None) -> Response:
+        """``arrival``: ``time.monotonic()`` when the request reached the server (default: now)."""
+        arrival = arrival or time.monotonic()
         prep = await self.in_pool(lambda: self.prepare_completion(parse_body(CompletionRequest, raw)))
-        return await self._generate(prep, request, chat=False)
+        return await self._generate(prep, request, chat=False, arrival=arrival)
 
-    async def create_chat_completion(self, raw: bytes, request: Request) -> Response:
+    async def create_chat_completion(self, raw: bytes, request: Request, arrival: float | None = None) -> Response:
+        arrival = arrival or time.monotonic()
         prep = await self.in_pool(lambda: self.prepare_chat(parse_body(ChatCompletionRequest, raw)))
-        return await self._generate(prep, request, chat=True)
+        return await self._generate(prep, request, chat=True, arrival=arrival)
 
-    async def _generate(self, prep: _Prepared, request: Request, chat: bool) -> Response:
+    async def _generate(self, prep: _Prepared, request: Request, chat: bool, arrival: float) -> Response:
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         tracker = self.metrics.tracker("chat_completions" if chat else "completions")
-        streams = await self._add_all(prep, response_id)
+        streams = await self._add_all(prep, response_id, arrival)
         created = int(time.time())
         if prep.stream:
-            gen = self._stream(prep, streams, tracker, response_id, created, chat)
+            gen = self._stream(prep, streams, tracker, response_id, created, chat, arrival)
 
             def on_close() -> None:
                 self._abort_all(streams)
@@ -288,8 +293,18 @@ class OpenAIServing(_RequestPreparation, _ResponseRendering):
                 nxt.cancel()
                 await asyncio.gather(nxt, return_exceptions=True)
 
+    def _first_token_sent(self, request_id: str, out: RequestOutput, arrival: float) -> None:
+        """Report the delivery time of a first token (its engine stamp -> sent) to the engine's SLO admission."""
+        stamped = out.metrics.first_token_time if out.metrics is not None else None
+        if stamped is None:
+            return
+        now = time.monotonic()
+        self.engine.observe_first_token_delivery(request_id, now - stamped)
+        logger.debug("first token of %s sent: TTFT %.0f ms at the server (engine stamp at %.0f ms)", request_id,
+                     (now - arrival) * 1e3, (stamped - arrival) * 1e3)
+
     async def _stream(self, prep: _Prepared, streams: list[RequestStream], tracker: RequestTracker, rid: str,
-                      created: int, chat: bool) -> AsyncIterator[str]:
+                      created: int, chat: bool, arrival: float) -> AsyncIterator[str]:
         """SSE body. Invariant: per choice, the concatenated deltas equal the non-streamed text, because the
         engine's cumulative text only grows and each delta is its new suffix. With echo, the prompt (and its
         logprobs) leads the first chunk of each choice."""
@@ -363,6 +378,8 @@ class OpenAIServing(_RequestPreparation, _ResponseRendering):
                         choice["stop_reason"] = o.stop_reason
                         done.add(key)
                     yield chunk(choice)
+                    if first and o.token_ids and o.index == 0:  # sent: the stream resumes once it is written
+                        self._first_token_sent(streams[i].request_id, out, arrival)
             if prep.include_usage:
                 yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
                             "usage": self.usage(prep, finals)})
