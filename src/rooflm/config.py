@@ -216,7 +216,7 @@ class SchedulerConfig:
     fair_output_weight: float = 2.0
     # priority: the most prompt tokens the requests of classes worse than the best seen compute per step together
     # (a step in flight is what a better-class arrival waits for first), and none while a better class computes its
-    # prompt (rooflm.engine.policy); None: neither rule.
+    # prompt (rooflm.engine.policy); None or 0 (the command line's way to say it): neither rule.
     priority_prefill_chunk: int | None = 16
 
     def __post_init__(self) -> None:
@@ -233,8 +233,10 @@ class SchedulerConfig:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise _bad("SchedulerConfig", f, v, "a number > 0")
         v = self.priority_prefill_chunk
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise _bad("SchedulerConfig", "priority_prefill_chunk", v, "None or a positive integer")
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise _bad("SchedulerConfig", "priority_prefill_chunk", v, "None, 0 (off) or a positive integer")
+        if v == 0:
+            self.priority_prefill_chunk = None
 
 
 @dataclass

@@ -206,8 +206,10 @@ def test_a_compressed_lower_priority_prompt_keeps_its_chunks():
 
 
 def test_priority_prefill_chunk_is_validated():
-    with pytest.raises(ValueError, match="priority_prefill_chunk=0"):
-        SchedulerConfig(priority_prefill_chunk=0)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match=f"priority_prefill_chunk={bad!r}"):
+            SchedulerConfig(priority_prefill_chunk=bad)
+    assert SchedulerConfig(priority_prefill_chunk=0).priority_prefill_chunk is None  # the command line's "off"
 
 
 # -- mlfq -------------------------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ _HELP = {
     "fair_input_weight": "fair: cost of one prompt token in the virtual token counter",
     "fair_output_weight": "fair: cost of one generated token in the virtual token counter",
     "priority_prefill_chunk": "priority: most prompt tokens per step of the requests below the best priority seen "
-                              "together (bounds the step a high-priority arrival waits for)",
+                              "together (bounds the step a high-priority arrival waits for); 0: no limit",
     "tensor_parallel_size": "split the model over this many processes: GPUs 0..N-1 (NCCL) or CPU processes (gloo)",
     "pipeline_parallel_size": "split the decoder layers into this many stages; with -tp, each stage is a "
                               "tensor-parallel group (tp x pp processes, one GPU each)",
