@@ -281,7 +281,10 @@ class EngineConfig:
     mlfq_starvation_steps: int = SchedulerConfig.mlfq_starvation_steps
     fair_input_weight: float = SchedulerConfig.fair_input_weight
     fair_output_weight: float = SchedulerConfig.fair_output_weight
-    priority_prefill_chunk: int | None = SchedulerConfig.priority_prefill_chunk
+    # "auto": the most prompt tokens a step can compute within about two decode steps' time on this machine's roofline
+    # (LiveRoofline.prefill_chunk_tokens: 16 on a 2-core CPU, hundreds on a GPU, where a small prefill costs what a
+    # decode step does: one read of the weights).
+    priority_prefill_chunk: int | str | None = "auto"
     # How the projections are stored and multiplied (vLLM's names; rooflm.quantization.config): None (what the
     # checkpoint holds: float, GPTQ/AWQ, or a GGUF file kept quantized), "none", "w8a16", "w4a16", "gptq", "awq",
     # "gguf", "fp8".
@@ -428,10 +431,15 @@ class EngineConfig:
             if SpeculativeConfig.parse(self.speculative_config).method == "draft_model":
                 raise _bad("EngineConfig", "kv_offload_gb", v, "0 with a draft model (its own cache is not offloaded)")
 
-    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
-        """The scheduler's share of this config: every SchedulerConfig field of the same name."""
+    def scheduler_config(self, max_model_len: int,
+                         auto_prefill_chunk: int = SchedulerConfig.priority_prefill_chunk) -> SchedulerConfig:
+        """The scheduler's share of this config: every SchedulerConfig field of the same name, with
+        ``priority_prefill_chunk="auto"`` replaced by ``auto_prefill_chunk`` (the engine's roofline gives it)."""
         names = [f.name for f in fields(SchedulerConfig) if f.name != "max_model_len"]
-        return SchedulerConfig(max_model_len=max_model_len, **{n: getattr(self, n) for n in names})
+        values = {n: getattr(self, n) for n in names}
+        if values["priority_prefill_chunk"] == "auto":
+            values["priority_prefill_chunk"] = auto_prefill_chunk
+        return SchedulerConfig(max_model_len=max_model_len, **values)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching,

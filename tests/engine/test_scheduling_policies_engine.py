@@ -56,3 +56,18 @@ def test_every_policy_gives_fcfs_tokens_under_preemption(make_engine, mixed_prom
     assert engine.get_stats().num_preemptions > 0, "the small pool forced no preemption"
     if policy == "mlfq":
         assert engine.scheduler.policy.num_demotions > 0
+
+
+@pytest.mark.parametrize("setting", ["auto", 0, 24])
+def test_priority_prefill_chunk_auto_comes_from_the_roofline(make_engine, setting):
+    engine = make_engine(scheduling_policy="priority", priority_prefill_chunk=setting)
+    want = {"auto": engine.roofline.prefill_chunk_tokens(), 0: None, 24: 24}[setting]
+    assert engine.scheduler_config.priority_prefill_chunk == want
+    assert engine.scheduler.policy.prefill_chunk == want
+
+
+def test_priority_prefill_chunk_names_a_bad_value():
+    from rooflm.config import EngineConfig
+
+    with pytest.raises(ValueError, match="priority_prefill_chunk='fast'"):
+        EngineConfig(priority_prefill_chunk="fast")

@@ -179,3 +179,18 @@ def test_for_engine_uses_the_catalog_or_measures_this_device():
     assert measured.hardware.kind == "measured" and "fp32" in measured.hardware.peak_ops
     assert measured.predict([1], [10], 1) > 0
     assert "measured:" in measured.describe_hardware()
+
+
+@pytest.mark.parametrize("tflops", [0.05, 10.0, 1000.0])
+def test_prefill_chunk_is_the_longest_prompt_step_within_two_decode_steps(tflops):
+    live, _, _ = _live(hw=round_hw(bw_gbs=100.0, tflops=tflops))
+    chunk = live.prefill_chunk_tokens()
+    decode = live.predict([1], [1], 1)
+    assert chunk & (chunk - 1) == 0  # a power of two
+    assert live.predict([chunk], [chunk], 1) <= 2 * decode
+    assert chunk == 8192 or live.predict([2 * chunk], [2 * chunk], 1) > 2 * decode
+
+
+def test_prefill_chunk_grows_with_the_compute_per_byte():
+    chunks = [_live(hw=round_hw(bw_gbs=100.0, tflops=t))[0].prefill_chunk_tokens() for t in (0.05, 1.0, 20.0)]
+    assert chunks[0] < chunks[1] < chunks[2]

@@ -158,7 +158,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids(cfg)
         if self.parallel is not None:
             self.parallel.start_runners(self.max_model_len, self.eos_token_ids)
-        self.scheduler_config = config.scheduler_config(self.max_model_len)
+        self.scheduler_config = config.scheduler_config(self.max_model_len, self.roofline.prefill_chunk_tokens())
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.eos_token_ids)
         self.scheduler.compression = self.kv_compression

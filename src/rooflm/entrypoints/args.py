@@ -40,7 +40,8 @@ _HELP = {
     "fair_input_weight": "fair: cost of one prompt token in the virtual token counter",
     "fair_output_weight": "fair: cost of one generated token in the virtual token counter",
     "priority_prefill_chunk": "priority: most prompt tokens per step of the requests below the best priority seen "
-                              "together (bounds the step a high-priority arrival waits for); 0: no limit",
+                              "together (bounds the step a high-priority arrival waits for); auto: as many as a "
+                              "step computes in about two decode steps' time on this machine's roofline; 0: no limit",
     "tensor_parallel_size": "split the model over this many processes: GPUs 0..N-1 (NCCL) or CPU processes (gloo)",
     "pipeline_parallel_size": "split the decoder layers into this many stages; with -tp, each stage is a "
                               "tensor-parallel group (tp x pp processes, one GPU each)",
@@ -100,6 +101,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
         kind = {int: int, float: float, str: str, bool: _bool}.get(base, str)
         if f.name == "kv_cache_memory":
             kind = parse_bytes
+        elif f.name == "priority_prefill_chunk":
+            kind = _int_or_auto
         help_text = _HELP.get(f.name, "")  # a field without help fails the CLI's help test
         if default is not None and "default" not in help_text:
             help_text += f" (default: {default})"
@@ -111,6 +114,15 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
         else:
             short = (_SHORT[f.name],) if f.name in _SHORT else ()
             parser.add_argument(*short, flag, type=kind, default=default, help=help_text)
+
+
+def _int_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or 'auto'") from None
 
 
 def available_cpus() -> int:

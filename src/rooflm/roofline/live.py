@@ -174,6 +174,16 @@ class LiveRoofline:
         self.analyzer_calls += 1
         return sum(x.timing(o)[0] for o in model_ops(x.d, x.p, x.c, "decode", rows, 1) if o.name in _HEAD_OPS)
 
+    def prefill_chunk_tokens(self, ratio: float = 2.0, limit: int = 8192) -> int:
+        """The most prompt tokens (a power of two, at most ``limit``) one step of a single request can compute within
+        ``ratio`` times the best time of a one-token decode step. Below the roofline's ridge a step costs one read
+        of the weights whatever its tokens, so this is small where compute is scarce (a CPU) and large on a GPU."""
+        budget = ratio * self.predict([1], [1], 1)
+        t = 1
+        while t * 2 <= limit and self.predict([t * 2], [t * 2], 1) <= budget:
+            t *= 2
+        return t
+
     # -- prediction -----------------------------------------------------------------------------------------------------
     def predict(self, query_lens: Sequence[int], context_lens: Sequence[int], num_logit_rows: int) -> float:
         """Best possible seconds of one step. query_lens[i] >= 1 tokens computed for request i, ending at
