@@ -54,7 +54,7 @@ def test_distilled_sequences_are_the_models_greedy_continuations(tiny):
 
     model, cfg = tiny
     text = _text(200, 0)
-    examples = distilled_examples(model, cfg, text, 4, 10, 24, CPU, torch.float32)
+    examples, = distilled_examples(model, cfg, [(text, 4, "self_distill")], 10, 24, CPU, torch.float32)
     prompts = prompt_windows(text, 4, 10)
     assert [e.ids[:10] for e in examples] == prompts and prompts[0] == text[:10] and prompts[-1] == text[-10:]
     assert all(e.first == 9 for e in examples)

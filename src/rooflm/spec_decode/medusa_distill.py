@@ -78,10 +78,12 @@ def greedy_continuations(model: nn.Module, cfg, prompts: list[list[int]], max_to
     return result
 
 
-def distilled_examples(model: nn.Module, cfg, text_ids: list[int], n: int, prompt_len: int, max_tokens: int,
-                       device: torch.device, dtype: torch.dtype, seed: int = 0,
-                       field: str = "self_distill") -> list[Example]:
-    """``n`` examples: prompt windows of ``text_ids`` and their greedy continuations (``first`` = P - 1)."""
-    prompts = prompt_windows(text_ids, n, prompt_len, field)
-    conts = greedy_continuations(model, cfg, prompts, max_tokens, device, dtype, seed)
-    return [Example(p + c, len(p) - 1) for p, c in zip(prompts, conts)]
+def distilled_examples(model: nn.Module, cfg, texts: list[tuple[list[int], int, str]], prompt_len: int,
+                       max_tokens: int, device: torch.device, dtype: torch.dtype,
+                       seed: int = 0) -> list[list[Example]]:
+    """For each (text ids, n, config field) of ``texts``: n examples, prompt windows of the text and their greedy
+    continuations (``first`` = P - 1). All prompts decode in one batch of one engine."""
+    prompts = [prompt_windows(ids, n, prompt_len, field) for ids, n, field in texts]
+    flat = [p for group in prompts for p in group]
+    conts = iter(greedy_continuations(model, cfg, flat, max_tokens, device, dtype, seed))
+    return [[Example(p + next(conts), len(p) - 1) for p in group] for group in prompts]

@@ -221,10 +221,9 @@ def train_medusa(model: nn.Module, cfg, train_ids: list[int], eval_ids: list[int
     if tc.self_distill:
         log(f"generating {tc.self_distill} + {tc.distill_eval} greedy continuations of up to {tc.distill_len} tokens "
             f"(prompts of {tc.distill_prompt_len} tokens) on {device}")
-        train = distilled_examples(model, cfg, train_ids, tc.self_distill, tc.distill_prompt_len, tc.distill_len,
-                                   device, dtype, tc.seed)
-        greedy_eval = distilled_examples(model, cfg, eval_ids, tc.distill_eval, tc.distill_prompt_len,
-                                         tc.distill_len, device, dtype, tc.seed, field="distill_eval")
+        train, greedy_eval = distilled_examples(
+            model, cfg, [(train_ids, tc.self_distill, "self_distill"), (eval_ids, tc.distill_eval, "distill_eval")],
+            tc.distill_prompt_len, tc.distill_len, device, dtype, tc.seed)
         log(f"  {sum(len(e.ids) - e.first - 1 for e in train)} generated training tokens, "
             f"{time.perf_counter() - t0:.0f} s")
     else:
