@@ -23,7 +23,11 @@ def _text(n: int, seed: int) -> list[int]:
 
 def test_self_distillation_trains_on_cuda_and_returns_cpu_heads(tmp_path):
     from rooflm.loader import load_model
-    from rooflm.spec_decode.medusa import load_medusa_heads, model_identity, save_medusa_heads
+    from rooflm.spec_decode.medusa import (
+        load_medusa_heads,
+        model_identity,
+        save_medusa_heads,
+    )
     from rooflm.spec_decode.medusa_train import MedusaTrainConfig, train_medusa
 
     path = tmp_path / "config.json"

@@ -10,9 +10,21 @@ import torch
 from torch.nn import functional as F
 
 from rooflm.spec_decode.medusa import MedusaHeads
-from rooflm.spec_decode.medusa_distill import IGNORE, Example, distilled_examples, prompt_windows
-from rooflm.spec_decode.medusa_train import (MedusaTrainConfig, head_accuracy, head_losses, hidden_states,
-                                             lm_head_matrix, pad_batch, train_medusa)
+from rooflm.spec_decode.medusa_distill import (
+    IGNORE,
+    Example,
+    distilled_examples,
+    prompt_windows,
+)
+from rooflm.spec_decode.medusa_train import (
+    MedusaTrainConfig,
+    head_accuracy,
+    head_losses,
+    hidden_states,
+    lm_head_matrix,
+    pad_batch,
+    train_medusa,
+)
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
@@ -107,6 +119,41 @@ def test_the_loss_skips_the_prompt_and_the_padding():
     changed[first + 2] = (changed[first + 2] + 5) % 16  # the first token head 1 is trained on
     assert not torch.equal(loss(changed)[0], got[0])
     assert Example(long_ids, first).labels()[0] == IGNORE and Example(long_ids).labels() == long_ids
+
+
+def test_accuracy_and_predicted_accepted_length_match_a_count_by_hand():
+    from rooflm.spec_decode.medusa_train import predictions
+
+    torch.manual_seed(1)
+    heads = MedusaHeads(3, 8)
+    with torch.no_grad():
+        heads.weight.normal_()
+        heads.bias.normal_()
+    lm_head = torch.randn(4, 8)  # 4 tokens: a random label matches a prediction often, so runs of hits occur
+    data = []
+    for length in (30, 17):
+        h, ids = torch.randn(length, 8), torch.randint(0, 4, (length,)).tolist()
+        data.append((h, torch.tensor(Example(ids, 0).labels()), ids))
+        data.append((h[5:], torch.tensor(Example(ids, 5).labels()), ids))  # the same, after a prompt of 6 tokens
+    acc, chain = head_accuracy(heads, lm_head, [(h, i) for h, i, _ in data])
+    right, total, runs = [0] * 4, [0] * 4, []
+    for h, labels, ids in data:
+        first = len(ids) - len(labels)
+        pred = predictions(heads, lm_head, h).tolist()
+        for t in range(len(labels)):  # position first + t of the sequence
+            for j in range(4):
+                target = first + t + j + 1
+                if target < len(ids) and target > first:  # only tokens after the prompt are targets
+                    total[j] += 1
+                    right[j] += pred[j][t] == ids[target]
+            if first + t + 4 < len(ids):  # head 3 (the last) has its target t + 4
+                run = 0
+                while run < 3 and pred[run + 1][t] == ids[first + t + run + 2]:
+                    run += 1
+                runs.append(run)
+    assert acc == pytest.approx([r / n for r, n in zip(right, total)])
+    assert chain == pytest.approx([1 + sum(min(r, k) for r in runs) / len(runs) for k in (1, 2, 3)])
+    assert 0 < sum(runs) and max(runs) >= 2  # the check saw chains of more than one accepted draft
 
 
 def test_self_distillation_raises_accuracy_against_the_greedy_tokens(tiny):
