@@ -119,6 +119,18 @@ def test_the_loss_skips_the_prompt_and_the_padding():
     changed[first + 2] = (changed[first + 2] + 5) % 16  # the first token head 1 is trained on
     assert not torch.equal(loss(changed)[0], got[0])
     assert Example(long_ids, first).labels()[0] == IGNORE and Example(long_ids).labels() == long_ids
+    # soft labels: the model's own distribution of token t + i + 1, from the LM head at t + i, same positions
+    batch = pad_batch([(long_h[first:], torch.tensor(Example(long_ids, first).labels())),
+                       (short_h[first:], torch.tensor(Example(short_ids, first).labels()))])
+    got = head_losses(heads, lm_head, *batch, soft=True)
+    for i in (1, 2):
+        rows, teacher = [], []
+        for h, ids in ((long_h, long_ids), (short_h, short_ids)):
+            for t in range(first, len(ids) - i - 1):
+                rows.append(h[t] + F.silu(heads.weight[i - 1] @ h[t] + heads.bias[i - 1]))
+                teacher.append(torch.softmax(lm_head @ h[t + i], dim=-1))
+        logq = torch.log_softmax(torch.stack(rows) @ lm_head.t(), dim=-1)
+        torch.testing.assert_close(got[i - 1], -(torch.stack(teacher) * logq).sum(-1).mean())
 
 
 def test_accuracy_and_predicted_accepted_length_match_a_count_by_hand():
@@ -173,6 +185,16 @@ def test_self_distillation_raises_accuracy_against_the_greedy_tokens(tiny):
     assert any("against the model's greedy tokens" in line for line in lines)
 
 
+def test_soft_label_self_distillation_raises_accuracy_against_the_greedy_tokens(tiny):
+    model, cfg = tiny
+    tc = MedusaTrainConfig(num_heads=2, steps=60, lr=3e-2, batch_size=4, seq_len=32, eval_tokens=64,
+                           warmup_steps=2, log_every=60, self_distill=24, distill_len=40, distill_prompt_len=8,
+                           distill_eval=6, distill_soft=True)
+    _, s = train_medusa(model, cfg, _text(800, 1), _text(300, 2), tc, log=lambda line: None)
+    before, after = s["greedy_accuracy_before"], s["greedy_accuracy_after"]
+    assert after[1] > before[1] + 0.15 and after[2] > before[2] + 0.15
+
+
 def test_bad_self_distillation_settings_are_refused(tiny, tmp_path, capsys):
     from rooflm.cli import main
 
@@ -180,6 +202,8 @@ def test_bad_self_distillation_settings_are_refused(tiny, tmp_path, capsys):
         MedusaTrainConfig(self_distill=-1)
     with pytest.raises(ValueError, match=r"MedusaTrainConfig.distill_len=4 \(--distill-len\).*num_heads = 4"):
         MedusaTrainConfig(num_heads=4, self_distill=2, distill_len=4)
+    with pytest.raises(ValueError, match=r"MedusaTrainConfig.distill_soft=True \(--distill-soft\).*--self-distill"):
+        MedusaTrainConfig(distill_soft=True)
     with pytest.raises(ValueError, match=r"MedusaTrainConfig.num_heads=0 \(--heads\)"):
         MedusaTrainConfig(num_heads=0)
     model, cfg = tiny
@@ -190,7 +214,8 @@ def test_bad_self_distillation_settings_are_refused(tiny, tmp_path, capsys):
     out = str(tmp_path / "h")
     for argv, flag in ((["--self-distill", "0"], "--self-distill"), (["--distill-len", "x"], "--distill-len"),
                        (["--self-distill", "2", "--heads", "4", "--distill-len", "3"], "--distill-len"),
-                       (["--device", "tpu"], "--device"), (["--dtype", "float8"], "--dtype")):
+                       (["--device", "tpu"], "--device"), (["--dtype", "float8"], "--dtype"),
+                       (["--distill-soft"], "--distill-soft")):
         with pytest.raises(SystemExit) as e:
             main(["train-medusa", "--out", out, *argv])
         assert e.value.code != 0 and e.value.code is not None

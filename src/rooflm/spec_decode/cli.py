@@ -54,6 +54,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--distill-eval", type=_positive("--distill-eval"), default=8, metavar="N",
                    help="held-out greedy continuations (prompts from --eval-data) for the accuracy against the "
                         "model's greedy tokens and the predicted mean accepted length")
+    p.add_argument("--distill-soft", action="store_true",
+                   help="with --self-distill: train against the model's full next-token distributions (soft "
+                        "labels) instead of its greedy tokens; greedy acceptance only needs the argmax, so hard "
+                        "labels are the default")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the model's activations (auto: float32 on the CPU, bfloat16 on CUDA); the heads train in "
@@ -87,7 +91,7 @@ def _train(args: argparse.Namespace) -> int:
                                eval_tokens=args.eval_tokens, log_every=args.log_every, seed=args.seed,
                                self_distill=args.self_distill or 0, distill_len=args.distill_len,
                                distill_prompt_len=args.distill_prompt_len, distill_eval=args.distill_eval,
-                               max_cache_gb=args.max_cache_gb)
+                               distill_soft=args.distill_soft, max_cache_gb=args.max_cache_gb)
     except ValueError as e:
         raise SystemExit(f"rooflm train-medusa: {e}") from None
     try:

@@ -54,6 +54,7 @@ class MedusaTrainConfig:
     distill_len: int = 256
     distill_prompt_len: int = 64
     distill_eval: int = 8  # held-out greedy continuations (prompts from the evaluation text) for the greedy report
+    distill_soft: bool = False  # self-distillation against the model's distributions instead of its greedy tokens
     max_cache_gb: float = 8.0  # refuse to start when the kept hidden states would take more
 
     def __post_init__(self) -> None:
@@ -70,6 +71,9 @@ class MedusaTrainConfig:
         if self.seq_len <= self.num_heads + 1:
             self._fail("seq_len", f"it must exceed num_heads + 1 = {self.num_heads + 1} (head i is trained on token "
                                   "t + i + 1)")
+        if self.distill_soft and not self.self_distill:
+            self._fail("distill_soft", "soft labels need --self-distill N (on human text the model's distribution "
+                                       "is not the text's)")
         if self.self_distill and self.distill_len <= self.num_heads:
             self._fail("distill_len", f"it must exceed num_heads = {self.num_heads} (head i is trained on token "
                                       "t + i + 1 of the continuation)")
@@ -114,16 +118,23 @@ def _head_inputs(heads: MedusaHeads, i: int, h: torch.Tensor) -> torch.Tensor:
     return h + F.silu(h @ heads.weight[i - 1].t() + heads.bias[i - 1])
 
 
-def head_losses(heads: MedusaHeads, lm_head: torch.Tensor, hidden: torch.Tensor,
-                ids: torch.Tensor) -> list[torch.Tensor]:
+def head_losses(heads: MedusaHeads, lm_head: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor,
+                soft: bool = False) -> list[torch.Tensor]:
     """Per head i (1-based), the mean cross-entropy of its prediction at t against ids[t + i + 1], over the targets
-    that are not IGNORE (prompt tokens and padding). hidden [B, L, H], ids [B, L]."""
+    that are not IGNORE (prompt tokens and padding). hidden [B, L, H], ids [B, L]. ``soft``: against the model's own
+    distribution of that token instead, softmax(lm_head(hidden[t + i])) (the paper's self-distillation loss; on
+    greedy continuations its argmax is the label)."""
     out = []
     for i in range(1, heads.num_heads + 1):
         target = ids[:, i + 1:]
         keep = target != IGNORE
         x = _head_inputs(heads, i, hidden[:, :-(i + 1)][keep])  # only the rows with a target: none wasted on padding
-        out.append(F.cross_entropy(x @ lm_head.t(), target[keep], reduction="sum") / keep.sum().clamp(min=1))
+        if soft:
+            with torch.no_grad():
+                label = torch.softmax(hidden[:, i:-1][keep] @ lm_head.t(), dim=-1)
+        else:
+            label = target[keep]
+        out.append(F.cross_entropy(x @ lm_head.t(), label, reduction="sum") / keep.sum().clamp(min=1))
     return out
 
 
@@ -255,7 +266,7 @@ def train_medusa(model: nn.Module, cfg, train_ids: list[int], eval_ids: list[int
         scale = min(1.0, step / tc.warmup_steps) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / tc.steps)))
         for g in opt.param_groups:
             g["lr"] = tc.lr * scale
-        per_head = head_losses(heads, lm_head, hidden, ids)
+        per_head = head_losses(heads, lm_head, hidden, ids, soft=tc.distill_soft)
         loss = torch.stack(per_head).mean()
         opt.zero_grad()
         loss.backward()
