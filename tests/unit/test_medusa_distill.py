@@ -18,6 +18,7 @@ from rooflm.spec_decode.medusa_distill import (
 )
 from rooflm.spec_decode.medusa_train import (
     MedusaTrainConfig,
+    encode,
     head_accuracy,
     head_losses,
     hidden_states,
@@ -85,6 +86,10 @@ def test_distilled_sequences_are_the_models_greedy_continuations(tiny):
         while len(seq) < 34:
             seq.append(int((hidden_states(model, *geometry, seq)[-1] @ lm_head.t()).argmax()))
         assert seq == e.ids
+    # what training keeps of an example: the hidden states and labels from the prompt's last position on
+    (kept_h, kept_ids), = encode(model, cfg, [examples[0]])
+    torch.testing.assert_close(kept_h, hidden_states(model, *geometry, examples[0].ids)[9:])
+    assert kept_ids.tolist() == [IGNORE] + examples[0].ids[10:]
 
 
 def test_the_loss_skips_the_prompt_and_the_padding():

@@ -36,8 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heads", type=_positive("--heads"), default=4, help="number of heads (k at most)")
     p.add_argument("--steps", type=_positive("--steps"), default=200, help="optimizer steps")
     p.add_argument("--lr", type=_positive("--lr", float), default=2e-3, help="AdamW learning rate (peak)")
-    p.add_argument("--seq-len", type=_positive("--seq-len"), default=256, help="tokens per training window")
-    p.add_argument("--batch-size", type=_positive("--batch-size"), default=2, help="windows per step")
+    p.add_argument("--seq-len", type=_positive("--seq-len"), default=256,
+                   help="tokens per window of text (training on the text; the held-out text report)")
+    p.add_argument("--batch-size", type=_positive("--batch-size"), default=2,
+                   help="sequences (windows or continuations) per step")
     p.add_argument("--max-train-tokens", type=_positive("--max-train-tokens"), default=16384,
                    help="distinct training tokens (the frozen model runs over each once; epochs reuse them)")
     p.add_argument("--eval-tokens", type=_positive("--eval-tokens"), default=1024, help="held-out tokens")
