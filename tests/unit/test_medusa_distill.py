@@ -3,6 +3,7 @@ continuations, the loss skips the prompt, training on them raises the heads' acc
 tokens, and bad settings are refused naming the flag."""
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -67,7 +68,13 @@ def test_distilled_sequences_are_the_models_greedy_continuations(tiny):
 
     model, cfg = tiny
     text = _text(200, 0)
+    def engines() -> int:
+        gc.collect()
+        return sum(type(o) is LLMEngine for o in gc.get_objects())
+
+    alive = engines()
     examples, = distilled_examples(model, cfg, [(text, 4, "self_distill")], 10, 24, CPU, torch.float32)
+    assert engines() == alive  # the engine and its KV pool are gone: on a GPU that memory goes to the hidden states
     prompts = prompt_windows(text, 4, 10)
     assert [e.ids[:10] for e in examples] == prompts and prompts[0] == text[:10] and prompts[-1] == text[-10:]
     assert all(e.first == 9 for e in examples)
