@@ -220,9 +220,17 @@ def test_bad_self_distillation_settings_are_refused(tiny, tmp_path, capsys):
         MedusaTrainConfig(num_heads=0)
     model, cfg = tiny
     gb = 4 * 32 * cfg.hidden_size * 4 / 1e9  # 3 training windows and 1 held-out one of 32 positions, float32
-    with pytest.raises(ValueError, match=rf"max_cache_gb=1e-06 \(--max-cache-gb\).*4 sequences take {gb:.3g} GB"):
+    with pytest.raises(ValueError, match=rf"max_cache_gb=1e-06 \(--max-cache-gb\).*4 sequences take up to {gb:.3g} GB"):
         train_medusa(model, cfg, _text(96, 0), _text(32, 1), MedusaTrainConfig(num_heads=1, seq_len=32,
                      max_train_tokens=96, eval_tokens=32, max_cache_gb=1e-6), log=lambda s: None)
+    # self-distillation is refused before it generates anything: the bound counts distill_len + 1 per continuation
+    gb = ((5 + 2) * (20 + 1) + 32) * cfg.hidden_size * 4 / 1e9
+    logged: list[str] = []
+    with pytest.raises(ValueError, match=rf"\(--max-cache-gb\).*8 sequences take up to {gb:.3g} GB"):
+        train_medusa(model, cfg, _text(96, 0), _text(32, 1), MedusaTrainConfig(
+            num_heads=1, seq_len=32, eval_tokens=32, self_distill=5, distill_eval=2, distill_len=20,
+            distill_prompt_len=8, max_cache_gb=1e-6), log=logged.append)
+    assert not logged  # nothing generated
     out = str(tmp_path / "h")
     for argv, flag in ((["--self-distill", "0"], "--self-distill"), (["--distill-len", "x"], "--distill-len"),
                        (["--self-distill", "2", "--heads", "4", "--distill-len", "3"], "--distill-len"),

@@ -203,11 +203,12 @@ def pad_batch(data: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tens
     return hidden, ids
 
 
-def _check_cache(examples: list[Example], hidden_size: int, tc: MedusaTrainConfig) -> float:
-    gb = sum(len(e.ids) - e.first for e in examples) * hidden_size * 4 / 1e9
+def _check_cache(num_sequences: int, positions: int, hidden_size: int, tc: MedusaTrainConfig) -> float:
+    """GB of kept hidden states for ``positions`` in all (an upper bound before generation); refused over the limit."""
+    gb = positions * hidden_size * 4 / 1e9
     if gb > tc.max_cache_gb:
         raise ValueError(f"MedusaTrainConfig.max_cache_gb={tc.max_cache_gb} (--max-cache-gb) is invalid for this run: "
-                         f"the hidden states of {len(examples)} sequences take {gb:.3g} GB (float32, "
+                         f"the hidden states of {num_sequences} sequences take up to {gb:.3g} GB (float32, "
                          f"{hidden_size} numbers per position); lower --self-distill, --distill-len or "
                          "--max-train-tokens, or raise it")
     return gb
@@ -229,7 +230,10 @@ def train_medusa(model: nn.Module, cfg, train_ids: list[int], eval_ids: list[int
         raise ValueError(f"train-medusa: the evaluation text has {len(eval_ids)} tokens, fewer than one window of "
                          f"seq_len={tc.seq_len}")
     greedy_eval: list[Example] = []
-    if tc.self_distill:
+    text_positions = len(text_eval) * tc.seq_len
+    if tc.self_distill:  # each continuation keeps the prompt's last position and up to distill_len generated ones
+        n = tc.self_distill + tc.distill_eval
+        gb = _check_cache(n + len(text_eval), n * (tc.distill_len + 1) + text_positions, cfg.hidden_size, tc)
         log(f"generating {tc.self_distill} + {tc.distill_eval} greedy continuations of up to {tc.distill_len} tokens "
             f"(prompts of {tc.distill_prompt_len} tokens) on {device}")
         train, greedy_eval = distilled_examples(
@@ -242,13 +246,13 @@ def train_medusa(model: nn.Module, cfg, train_ids: list[int], eval_ids: list[int
         if not train:
             raise ValueError(f"train-medusa: the training text has {len(train_ids)} tokens, fewer than one window of "
                              f"seq_len={tc.seq_len}")
-    gb = _check_cache(train + text_eval + greedy_eval, cfg.hidden_size, tc)
+        gb = _check_cache(len(train) + len(text_eval), len(train) * tc.seq_len + text_positions, cfg.hidden_size, tc)
     lm_head = lm_head_matrix(model).float()
     heads = MedusaHeads(tc.num_heads, cfg.hidden_size).to(device)
     train_data = encode(model, cfg, train)  # the model is frozen: each sequence runs through it once
     text_data = encode(model, cfg, text_eval)
     greedy_data = encode(model, cfg, greedy_eval)
-    log(f"hidden states of {len(train)} training sequences kept ({gb:.3g} GB with the held-out ones), "
+    log(f"hidden states of {len(train)} training sequences kept (at most {gb:.3g} GB with the held-out ones), "
         f"{time.perf_counter() - t0:.0f} s")
     before, _ = head_accuracy(heads, lm_head, text_data)
     g_before, g_chain_before = head_accuracy(heads, lm_head, greedy_data) if greedy_data else ([], [])
