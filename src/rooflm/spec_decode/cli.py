@@ -36,13 +36,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heads", type=_positive("--heads"), default=4, help="number of heads (k at most)")
     p.add_argument("--steps", type=_positive("--steps"), default=200, help="optimizer steps")
     p.add_argument("--lr", type=_positive("--lr", float), default=2e-3, help="AdamW learning rate (peak)")
-    p.add_argument("--seq-len", type=_positive("--seq-len"), default=256, help="tokens per training window")
-    p.add_argument("--batch-size", type=_positive("--batch-size"), default=2, help="windows per step")
+    p.add_argument("--seq-len", type=_positive("--seq-len"), default=256,
+                   help="tokens per window of text (training on the text; the held-out text report)")
+    p.add_argument("--batch-size", type=_positive("--batch-size"), default=2,
+                   help="sequences (windows or continuations) per step")
     p.add_argument("--max-train-tokens", type=_positive("--max-train-tokens"), default=16384,
                    help="distinct training tokens (the frozen model runs over each once; epochs reuse them)")
     p.add_argument("--eval-tokens", type=_positive("--eval-tokens"), default=1024, help="held-out tokens")
     p.add_argument("--log-every", type=_positive("--log-every"), default=20, help="steps between loss lines")
     p.add_argument("--seed", type=int, default=0, help="seed of the data order")
+    p.add_argument("--self-distill", type=_positive("--self-distill"), default=None, metavar="N",
+                   help="self-distillation (Cai et al. 2024, section 2.3.2): train on N greedy continuations that the "
+                        "model itself generates from prompts taken from the training text, instead of on the text "
+                        "(greedy verification accepts a draft when it equals the model's own token)")
+    p.add_argument("--distill-len", type=_positive("--distill-len"), default=256,
+                   help="tokens per greedy continuation (fewer when the model ends one with EOS)")
+    p.add_argument("--distill-prompt-len", type=_positive("--distill-prompt-len"), default=64,
+                   help="tokens per prompt window of the training text (context only: not trained on)")
+    p.add_argument("--distill-eval", type=_positive("--distill-eval"), default=8, metavar="N",
+                   help="held-out greedy continuations (prompts from --eval-data) for the accuracy against the "
+                        "model's greedy tokens and the predicted mean accepted length")
+    p.add_argument("--distill-soft", action="store_true",
+                   help="with --self-distill: train against the model's full next-token distributions (soft "
+                        "labels) instead of its greedy tokens; greedy acceptance only needs the argmax, so hard "
+                        "labels are the default")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the model's activations (auto: float32 on the CPU, bfloat16 on CUDA); the heads train in "
+                        "float32 either way")
+    p.add_argument("--max-cache-gb", type=_positive("--max-cache-gb", float), default=8.0,
+                   help="most GB of kept hidden states (float32, hidden_size numbers per trained position, on the "
+                        "device); a run that needs more is refused before any sequence runs")
     p.add_argument("--out", required=True, metavar="DIR", help="folder to write the heads to")
     p.set_defaults(func=_train)
 
@@ -57,29 +81,46 @@ def _read(path: str | None, shipped: str) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
-    import torch
-
+    from rooflm.engine.engine import resolve_device, resolve_dtype
     from rooflm.loader import load_model
     from rooflm.spec_decode.medusa import model_identity, save_medusa_heads
     from rooflm.spec_decode.medusa_train import MedusaTrainConfig, train_medusa
     from rooflm.tokenizer import load_tokenizer
 
-    tc = MedusaTrainConfig(num_heads=args.heads, steps=args.steps, lr=args.lr, seq_len=args.seq_len,
-                           batch_size=args.batch_size, max_train_tokens=args.max_train_tokens,
-                           eval_tokens=args.eval_tokens, log_every=args.log_every, seed=args.seed)
+    try:
+        tc = MedusaTrainConfig(num_heads=args.heads, steps=args.steps, lr=args.lr, seq_len=args.seq_len,
+                               batch_size=args.batch_size, max_train_tokens=args.max_train_tokens,
+                               eval_tokens=args.eval_tokens, log_every=args.log_every, seed=args.seed,
+                               self_distill=args.self_distill or 0, distill_len=args.distill_len,
+                               distill_prompt_len=args.distill_prompt_len, distill_eval=args.distill_eval,
+                               distill_soft=args.distill_soft, max_cache_gb=args.max_cache_gb)
+    except ValueError as e:
+        raise SystemExit(f"rooflm train-medusa: {e}") from None
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        raise SystemExit(f"rooflm train-medusa: --device {args.device!r}: {e}") from None
+    dtype = resolve_dtype(args.dtype, device)
     train_text = _read(args.data, "austen_emma.txt")
     eval_text = _read(args.eval_data, "austen_pride_and_prejudice.txt")
-    model, cfg = load_model(args.model, load_format=args.load_format, dtype=torch.float32, device="cpu",
+    model, cfg = load_model(args.model, load_format=args.load_format, dtype=dtype, device=device,
                             show_progress=False, quantization=args.quantization)
     for p in model.parameters():
         p.requires_grad_(False)
     tok = load_tokenizer(args.model)
     train_ids = list(tok(train_text)["input_ids"])
     eval_ids = list(tok(eval_text)["input_ids"])
-    print(f"training {tc.num_heads} heads on {min(len(train_ids), tc.max_train_tokens)} of {len(train_ids)} tokens "
-          f"({tc.steps} steps of {tc.batch_size} x {tc.seq_len}); held out: {min(len(eval_ids), tc.eval_tokens)} "
-          "tokens", flush=True)
-    heads, summary = train_medusa(model, cfg, train_ids, eval_ids, tc, log=lambda s: print(s, flush=True))
+    if tc.self_distill:
+        print(f"training {tc.num_heads} heads on {tc.self_distill} greedy continuations of up to {tc.distill_len} "
+              f"tokens ({tc.steps} steps of {tc.batch_size} sequences) on {device}, {dtype}", flush=True)
+    else:
+        print(f"training {tc.num_heads} heads on {min(len(train_ids), tc.max_train_tokens)} of {len(train_ids)} "
+              f"tokens ({tc.steps} steps of {tc.batch_size} x {tc.seq_len}) on {device}, {dtype}; held out: "
+              f"{min(len(eval_ids), tc.eval_tokens)} tokens", flush=True)
+    try:
+        heads, summary = train_medusa(model, cfg, train_ids, eval_ids, tc, log=lambda s: print(s, flush=True))
+    except ValueError as e:  # too short a text, too large a hidden-state cache: bad input, not a crash
+        raise SystemExit(f"rooflm train-medusa: {e}") from None
     save_medusa_heads(heads, args.out, model_identity(cfg, args.model or "SmolLM2-135M-Instruct"))
     print(f"wrote {args.out} ({summary['seconds']:.0f} s)")
     return 0
