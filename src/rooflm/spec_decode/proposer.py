@@ -11,6 +11,11 @@ weight bytes, what a memory-bound decode step reads) of a plain decode step each
 
 With a draft model (``draft_model``, ``self``) the drafts are made in the model runner after each step and come back
 with its output (``receive``); here they are only handed to the requests that may verify them.
+
+Under asynchronous scheduling the engine asks ``will_draft`` before each step, while the previous step may still be in
+flight: the switch-off depends only on the batch the host already knows (which requests decode, their lengths with the
+tokens in flight counted). A step that will not draft is pipelined (``skip``); before one that will, the engine
+finishes the step in flight, so that ``propose`` works on tokens read back, as in the synchronous mode.
 """
 from __future__ import annotations
 
@@ -34,13 +39,14 @@ def expected_tokens(k: int, acceptance: float) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
-def eligible(req: "Request") -> bool:
+def eligible(req: "Request", in_flight: bool = False) -> bool:
     """Requests whose next token the verifier can decide: plain decodes without logprobs, penalties, logit bias,
     structured output or min_tokens bans (their sampling depends on state the draft positions would change, or on
     logit changes the verifier does not apply; a grammar's mask at each draft position would need the matcher
-    advanced through the drafts)."""
+    advanced through the drafts). ``in_flight``: judged as the request will be once the step in flight is read back
+    (its one output placeholder, already counted in ``num_tokens``, resolved)."""
     p = req.params
-    return (req.num_output_placeholders == 0 and req.num_computed_tokens == req.num_tokens - 1
+    return (req.num_output_placeholders <= (1 if in_flight else 0) and req.num_computed_tokens == req.num_tokens - 1
             and req.num_output_tokens >= max(1, p.min_tokens) and p.logprobs is None and p.prompt_logprobs is None
             and p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0
             and not getattr(p, "logit_bias", None) and getattr(p, "structured_outputs", None) is None)
@@ -71,6 +77,33 @@ class SpeculativeProposer:
         plain = self.roofline.predict([1] * n, ctx, n)
         verify = self.roofline.predict([k + 1] * n, [c + k for c in ctx], n * (k + 1))
         return (verify + k * self.draft_cost * plain) / expected_tokens(k, acceptance) < plain
+
+    def _coming_decodes(self, running: list["Request"]) -> list["Request"]:
+        """The requests ``propose`` will see as eligible decodes once the step in flight is read back (one that its
+        token in flight brings to max_tokens or max_model_len will have finished)."""
+        return [r for r in running if eligible(r, in_flight=True) and r.num_tokens < self.max_model_len
+                and (r.params.max_tokens is None or r.num_output_tokens < r.params.max_tokens)]
+
+    def will_draft(self, running: list["Request"], stats: "EngineStats") -> bool:
+        """Whether the coming step drafts, decided before the step in flight (if any) is read back: some request will
+        decode and may get drafts, and (under ``auto_disable``) drafting pays for that batch. False also when nothing
+        would be drafted: such a step need not wait for the one in flight."""
+        decodes = self._coming_decodes(running)
+        if not decodes:
+            return False
+        acceptance = stats.spec_acceptance_rate
+        return not self.config.auto_disable or self.pays(
+            decodes, _PRIOR_ACCEPTANCE if acceptance is None else acceptance)
+
+    def skip(self, running: list["Request"], stats: "EngineStats") -> None:
+        """A step without drafts (``will_draft`` said no): drafts the runner made earlier are dropped (the step in
+        flight moves the requests past them), the runner's drafter stays off, and a switched-off step is counted."""
+        self.pending = {}
+        self.drafting = False
+        if not self.model_based:
+            self.ngram.retain({r.request_id for r in running})
+        if self._coming_decodes(running):
+            stats.spec_steps_disabled += 1
 
     def propose(self, running: list["Request"], stats: "EngineStats") -> None:
         """Set ``spec_token_ids`` on the running requests that get drafts this step."""
