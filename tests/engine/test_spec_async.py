@@ -10,7 +10,7 @@ import pytest
 
 from rooflm.sampling_params import SamplingParams
 
-from engine_utils import run
+from engine_utils import check_pipelining, record_launches, run
 from test_spec_decode import _params, echo_prompts  # noqa: F401  (echo_prompts is a fixture)
 from test_spec_draft import SCHEDULES, _summary, spec_config, tiny_config  # noqa: F401  (tiny_config: a fixture)
 from test_spec_medusa import heads_dir  # noqa: F401  (a fixture)
@@ -31,8 +31,8 @@ def _decide(rule: str):
     steps whose decoding batch holds an even number of blocks of 8 tokens in all (flips nearly every step). Both read
     only what the host knows of the batch, tokens in flight counted, as the roofline's rule does."""
     if rule == "batch":
-        return lambda decodes, acceptance: len(decodes) <= 2
-    return lambda decodes, acceptance: sum(r.num_tokens for r in decodes) // 8 % 2 == 0
+        return lambda decodes, *cost: len(decodes) <= 2
+    return lambda decodes, *cost: sum(r.num_tokens for r in decodes) // 8 % 2 == 0
 
 
 def _make(make_engine, spec, rule: str | None, async_scheduling: bool, **kw):
@@ -41,36 +41,6 @@ def _make(make_engine, spec, rule: str | None, async_scheduling: bool, **kw):
     if rule is not None:
         engine.proposer.pays = _decide(rule)
     return engine
-
-
-def _record_launches(engine) -> list[tuple[int, bool, bool]]:
-    """Per launched step: (steps still in flight, whether it verifies drafts, whether the runner's drafter may run)."""
-    launches = []
-    execute = engine.runner.execute
-
-    def recording(out):
-        drafter = engine.runner.drafter
-        launches.append((len(engine._in_flight), bool(out.scheduled_spec_tokens),
-                         engine.proposer.drafting if drafter is None else drafter.enabled))
-        return execute(out)
-
-    engine.runner.execute = recording
-    return launches
-
-
-def _check_pipelining(launches: list[tuple[int, bool, bool]]) -> None:
-    """Steps overlapped, and never a step that verifies or drafts: it neither starts while another is in flight nor
-    stays in flight while the next is launched. Drafting was switched on and off during the run."""
-    assert all(in_flight <= 1 for in_flight, _, _ in launches)
-    assert sum(in_flight for in_flight, _, _ in launches) > 0, "no step was pipelined"
-    for (_, spec, drafting), (in_flight, spec_next, drafting_next) in zip(launches, launches[1:]):
-        if in_flight:  # this step was launched while the previous one ran
-            assert not spec and not drafting, "a drafting step was still in flight when the next was launched"
-            assert not spec_next and not drafting_next, "a drafting step was launched while another was in flight"
-    modes = [drafting for _, _, drafting in launches]
-    assert any(a and not b for a, b in zip(modes, modes[1:])), "speculation was never switched off"
-    assert any(b and not a for a, b in zip(modes, modes[1:])), "speculation was never switched back on"
-    assert any(spec for _, spec, _ in launches), "nothing was verified"
 
 
 @pytest.mark.parametrize("rule", ["batch", "steps"])
@@ -84,10 +54,10 @@ def test_ngram_async_equals_sync_and_plain(make_engine, echo_prompts, rule, kw):
     sync = _make(make_engine, NGRAM, rule, False, **kw)
     assert _summary(run(sync, prompts, params)) == plain
     engine = _make(make_engine, NGRAM, rule, True, **kw)
-    launches = _record_launches(engine)
+    launches = record_launches(engine)
     got = run(engine, prompts, params)
     assert _summary(got) == plain
-    _check_pipelining(launches)
+    check_pipelining(launches)
     stats = engine.get_stats()
     assert stats.spec_steps_disabled > 0 and stats.spec_accepted_tokens > 0
     if "num_gpu_blocks_override" in kw:
@@ -117,9 +87,9 @@ def test_model_drafts_async_equal_sync_and_plain(make_engine, mixed_prompts, tin
     sync = _make(make_engine, spec, "batch", False, quantization="none", **kw)
     assert _summary(run(sync, prompts, params)) == plain
     engine = _make(make_engine, spec, "batch", True, quantization="none", **kw)
-    launches = _record_launches(engine)
+    launches = record_launches(engine)
     assert _summary(run(engine, prompts, params)) == plain
-    _check_pipelining(launches)
+    check_pipelining(launches)
     stats = engine.get_stats()
     assert stats.spec_steps_disabled > 0 and stats.spec_verifications > 0
     if schedule == "preempting":
@@ -134,7 +104,7 @@ def test_requests_arriving_while_steps_are_in_flight(make_engine, echo_prompts):
     params = _workload()
     plain = _summary(run(make_engine(async_scheduling=False), echo_prompts, params[:len(echo_prompts)]))
     engine = _make(make_engine, NGRAM, "batch", True, max_num_seqs=5)
-    launches = _record_launches(engine)
+    launches = record_launches(engine)
     finished = {}
     pending = list(enumerate(zip(echo_prompts, params)))
     steps = 0
@@ -148,7 +118,7 @@ def test_requests_arriving_while_steps_are_in_flight(make_engine, echo_prompts):
                 finished[o.request_id] = o
         steps += 1
     assert _summary([finished[str(i)] for i in range(len(echo_prompts))]) == plain
-    _check_pipelining(launches)
+    check_pipelining(launches)
 
 
 def test_async_scheduling_is_accepted_with_speculation_and_logged(make_engine):
@@ -159,3 +129,29 @@ def test_async_scheduling_is_accepted_with_speculation_and_logged(make_engine):
     assert engine.async_scheduling and engine.proposer is not None
     assert "while speculation is switched off" in engine._scheduling_text()
     assert "synchronous" in make_engine(speculative_config=NGRAM, async_scheduling=False)._scheduling_text()
+
+
+def test_prompt_lookup_finding_nothing_keeps_steps_pipelined(make_engine):
+    """The roofline's own rule, no injected decision: on random prompt tokens prompt lookup first finds nothing, so
+    the following steps overlap (a drafting step would wait for the step in flight to gain nothing); a lookup every
+    PROBE_EVERY steps finds the repetitions the model's greedy output falls into later, and drafts. The roofline is
+    a fixed memory-bound one (a verify step costs a decode step), so the decisions do not depend on this machine."""
+    import torch
+
+    from rooflm.spec_decode.proposer import PROBE_EVERY
+    from unit.test_spec_decode import _FakeRoofline
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 49152, (int(n),), generator=g).tolist() for n in torch.randint(5, 60, (8,), generator=g)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = _summary(run(make_engine(async_scheduling=False), prompts, params))
+    engine = make_engine(speculative_config=NGRAM, async_scheduling=True)
+    engine.proposer.roofline = _FakeRoofline(knee=4096)
+    launches = record_launches(engine)
+    assert _summary(run(engine, prompts, params)) == plain
+    check_pipelining(launches)
+    # launch 0: the prefills; 1: the first decodes look up (nothing found); then pipelined steps until a probe
+    drafting = [d for _, _, d in launches[1:2 + PROBE_EVERY]]
+    assert drafting == [True] + [False] * (PROBE_EVERY - 1) + [True], "steps waited for lookups that found nothing"
+    assert all(in_flight == 1 for in_flight, _, _ in launches[3:1 + PROBE_EVERY])
+    assert engine.get_stats().spec_accepted_tokens > 0

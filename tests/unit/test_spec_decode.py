@@ -17,7 +17,7 @@ from rooflm.layers.sampler import SamplingMetadata
 from rooflm.sampling_params import SamplingParams
 from rooflm.spec_decode.config import SpeculativeConfig
 from rooflm.spec_decode.ngram import NgramProposer
-from rooflm.spec_decode.proposer import SpeculativeProposer, eligible, expected_tokens
+from rooflm.spec_decode.proposer import PROBE_EVERY, SpeculativeProposer, eligible, expected_tokens
 from rooflm.spec_decode.rejection import verify
 
 
@@ -197,6 +197,35 @@ def test_a_skipped_step_drops_old_drafts_and_counts_a_switch_off():
     assert proposer.pending == {} and not proposer.drafting and stats.spec_steps_disabled == 1
     proposer.skip(_in_flight_prefills([1])[0].running, stats)  # nothing would have drafted: not a switch-off
     assert stats.spec_steps_disabled == 1
+
+
+def _text_request(rid: str, tokens: list[int]) -> Request:
+    r = Request(rid, tokens[:-1], SamplingParams(temperature=0, max_tokens=50))
+    r.all_token_ids.append(tokens[-1])
+    r.num_computed_tokens = r.num_tokens - 1
+    return r
+
+
+def test_prompt_lookup_that_finds_nothing_lets_steps_overlap_and_looks_again_now_and_then():
+    """Before a step waits for the one in flight to draft, prompt lookup must be expected to find drafts: on text it
+    finds nothing in, the verify step would gain nothing, so later steps stay pipelined, with one lookup every
+    PROBE_EVERY steps; on text that repeats itself it drafts again."""
+    from rooflm.engine.stats import EngineStats
+
+    proposer = SpeculativeProposer(SpeculativeConfig(num_speculative_tokens=4), _FakeRoofline(knee=4096), 256)
+    stats = EngineStats()
+    fresh = [_text_request(f"r{i}", list(range(100 * i, 100 * i + 9))) for i in range(64)]  # no n-gram repeats
+    assert proposer.will_draft(fresh, stats)  # nothing looked up yet: a hit is assumed
+    proposer.propose(fresh, stats)
+    assert proposer.drafting and not any(r.spec_token_ids for r in fresh) and proposer.hit_rate < 0.02
+    decisions = [proposer.will_draft(fresh, stats) for _ in range(2 * PROBE_EVERY)]
+    assert decisions == ([False] * (PROBE_EVERY - 1) + [True]) * 2
+    assert proposer.pays(fresh, 0.5)  # the synchronous rule alone would have drafted every step
+    repeating = [_decode_request(f"q{i}") for i in range(64)]
+    for _ in range(3):
+        proposer.propose(repeating, stats)
+        assert all(r.spec_token_ids for r in repeating)
+    assert proposer.hit_rate > 0.5 and proposer.will_draft(repeating, stats)
 
 
 # -- scheduler ------------------------------------------------------------------------------------------------------
