@@ -393,9 +393,7 @@ class EngineConfig:
             raise _bad("EngineConfig", "max_model_len", self.max_model_len, "a positive integer or None")
         from rooflm.spec_decode.config import SpeculativeConfig
 
-        if SpeculativeConfig.parse(self.speculative_config) is not None and self.async_scheduling:
-            raise _bad("EngineConfig", "async_scheduling", self.async_scheduling,
-                       "False or None with speculative_config (draft tokens are proposed from the last step's tokens)")
+        SpeculativeConfig.parse(self.speculative_config)
         # The sub-configs validate the rest.
         self.cache_config()
         self.scheduler_config(self.max_model_len or 1)

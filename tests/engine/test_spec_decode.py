@@ -61,10 +61,8 @@ def test_seeded_sampling_with_speculation_is_reproducible(make_engine, echo_prom
     assert engine.get_stats().spec_verifications > 0
 
 
-def test_speculation_cannot_be_combined_with_asynchronous_scheduling():
+def test_an_unknown_method_is_refused():
     from rooflm.config import EngineConfig
 
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(speculative_config=SPEC, async_scheduling=True)
     with pytest.raises(ValueError, match="speculative_config.method"):
         EngineConfig(speculative_config={"method": "lookahead"})

@@ -10,14 +10,14 @@ from unit.stat_checks import chi2_ok
 
 from rooflm.config import SchedulerConfig
 from rooflm.engine.request import Request
-from rooflm.engine.sched_output import ModelRunnerOutput
+from rooflm.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from rooflm.engine.scheduler import Scheduler
 from rooflm.kv_cache import KVCacheManager
 from rooflm.layers.sampler import SamplingMetadata
 from rooflm.sampling_params import SamplingParams
 from rooflm.spec_decode.config import SpeculativeConfig
 from rooflm.spec_decode.ngram import NgramProposer
-from rooflm.spec_decode.proposer import SpeculativeProposer, expected_tokens
+from rooflm.spec_decode.proposer import PROBE_EVERY, SpeculativeProposer, eligible, expected_tokens
 from rooflm.spec_decode.rejection import verify
 
 
@@ -152,6 +152,80 @@ def test_speculation_switches_off_when_the_roofline_predicts_no_gain():
     proposer = SpeculativeProposer(config, _FakeRoofline(knee=64), max_model_len=100)
     assert proposer.pays(small, 0.5)  # 10 tokens: still memory-bound, a verify step costs one step
     assert not proposer.pays(big, 0.5)  # 320 tokens: 5 steps' cost for 1.94 tokens each
+
+
+def _in_flight_prefills(max_tokens: list[int]) -> tuple[Scheduler, SchedulerOutput]:
+    """A scheduler whose first step (every request's prefill) is scheduled and not read back, and that step: each
+    request holds the placeholder of the token it samples."""
+    s = Scheduler(SchedulerConfig(1024, 128, 256), KVCacheManager(512, 4, True), eos_token_ids=[0])
+    for i, m in enumerate(max_tokens):
+        s.add_request(Request(f"r{i}", [1, 2, 3, 1, 2, 3], SamplingParams(temperature=0, max_tokens=m)))
+    return s, s.schedule()
+
+
+def test_will_draft_judges_the_batch_as_it_will_be_once_the_step_in_flight_is_read_back():
+    """Under asynchronous scheduling the switch-off is decided before the step in flight is read back: its requests
+    count as the decodes they will be (their token in flight in the context); one whose token in flight reaches
+    max_tokens will have finished and does not count. After the read-back ``propose`` sees the same batch."""
+    from rooflm.engine.stats import EngineStats
+
+    proposer = SpeculativeProposer(SpeculativeConfig(num_speculative_tokens=4), _FakeRoofline(knee=64), 256)
+    stats = EngineStats()
+    (small, small_step), (big, big_step) = _in_flight_prefills([50] * 2), _in_flight_prefills([50] * 64)
+    assert not any(eligible(r) for r in big.running)  # propose itself sees no decode while the tokens are in flight
+    assert all(eligible(r, in_flight=True) for r in big.running)
+    assert proposer.will_draft(small.running, stats)  # 10 tokens: memory-bound, a verify step costs one step
+    assert not proposer.will_draft(big.running, stats)  # 320 tokens: no gain
+    for s, step in ((small, small_step), (big, big_step)):  # read back: the decision made before stands
+        s.update_from_output(step, ModelRunnerOutput([r.request_id for r in s.running], [[7]] * len(s.running)))
+        assert all(eligible(r) for r in s.running)
+    assert proposer.will_draft(small.running, stats) and proposer.pays(small.running, 0.5)
+    assert not proposer.will_draft(big.running, stats) and not proposer.pays(big.running, 0.5)
+    last, _ = _in_flight_prefills([1, 1])  # the token in flight is each request's last
+    assert not proposer.will_draft(last.running, stats)
+    assert SpeculativeProposer(SpeculativeConfig(auto_disable=False), _FakeRoofline(64), 256).will_draft(
+        big.running, stats)
+
+
+def test_a_skipped_step_drops_old_drafts_and_counts_a_switch_off():
+    from rooflm.engine.stats import EngineStats
+
+    proposer = SpeculativeProposer(SpeculativeConfig(num_speculative_tokens=4), _FakeRoofline(knee=64), 256)
+    stats = EngineStats()
+    proposer.receive({"r0": [4, 5]})
+    proposer.skip(_in_flight_prefills([50] * 64)[0].running, stats)
+    assert proposer.pending == {} and not proposer.drafting and stats.spec_steps_disabled == 1
+    proposer.skip(_in_flight_prefills([1])[0].running, stats)  # nothing would have drafted: not a switch-off
+    assert stats.spec_steps_disabled == 1
+
+
+def _text_request(rid: str, tokens: list[int]) -> Request:
+    r = Request(rid, tokens[:-1], SamplingParams(temperature=0, max_tokens=50))
+    r.all_token_ids.append(tokens[-1])
+    r.num_computed_tokens = r.num_tokens - 1
+    return r
+
+
+def test_prompt_lookup_that_finds_nothing_lets_steps_overlap_and_looks_again_now_and_then():
+    """Before a step waits for the one in flight to draft, prompt lookup must be expected to find drafts: on text it
+    finds nothing in, the verify step would gain nothing, so later steps stay pipelined, with one lookup every
+    PROBE_EVERY steps; on text that repeats itself it drafts again."""
+    from rooflm.engine.stats import EngineStats
+
+    proposer = SpeculativeProposer(SpeculativeConfig(num_speculative_tokens=4), _FakeRoofline(knee=4096), 256)
+    stats = EngineStats()
+    fresh = [_text_request(f"r{i}", list(range(100 * i, 100 * i + 9))) for i in range(64)]  # no n-gram repeats
+    assert proposer.will_draft(fresh, stats)  # nothing looked up yet: a hit is assumed
+    proposer.propose(fresh, stats)
+    assert proposer.drafting and not any(r.spec_token_ids for r in fresh) and proposer.hit_rate < 0.02
+    decisions = [proposer.will_draft(fresh, stats) for _ in range(2 * PROBE_EVERY)]
+    assert decisions == ([False] * (PROBE_EVERY - 1) + [True]) * 2
+    assert proposer.pays(fresh, 0.5)  # the synchronous rule alone would have drafted every step
+    repeating = [_decode_request(f"q{i}") for i in range(64)]
+    for _ in range(3):
+        proposer.propose(repeating, stats)
+        assert all(r.spec_token_ids for r in repeating)
+    assert proposer.hit_rate > 0.5 and proposer.will_draft(repeating, stats)
 
 
 # -- scheduler ------------------------------------------------------------------------------------------------------

@@ -232,7 +232,8 @@ def latency_comparison(engine, spec: str, prompts: list[list[list[int]]], plain_
     c = engine.config
     # a draft model's pool takes blocks of its own beside the target's: room for the same tokens
     kv = c.kv_cache_memory if c.kv_cache_memory is None or "draft_model" not in spec else 2 * c.kv_cache_memory
-    config = dataclasses.replace(c, speculative_config=spec, async_scheduling=False, kv_cache_memory=kv)
+    # the plain run's scheduling mode too: steps in which speculation is switched off overlap as the plain ones do
+    config = dataclasses.replace(c, speculative_config=spec, kv_cache_memory=kv)
     spec_engine = LLMEngine(config, model=engine.model, model_config=engine.model_config, tokenizer=engine.tokenizer)
     one_iteration(spec_engine, prompts[0], min(output_len, 16))  # warm-up
     before = spec_engine.get_stats()

@@ -7,7 +7,10 @@ The step contract (see docs/architecture.md): ``Scheduler.schedule()`` -> ``Sche
 Asynchronous scheduling (``async_scheduling``): ``step()`` schedules and launches step N+1 *before* it waits for
 step N, so the host's scheduling and input preparation overlap the device's forward pass. The token sampled in
 step N feeds step N+1 on the device; the host reads it one step later for outputs and stop checks, and whatever a
-request computed after its stop condition is dropped, so outputs equal the synchronous mode's.
+request computed after its stop condition is dropped, so outputs equal the synchronous mode's. With speculative
+decoding only the steps in which speculation is switched off are pipelined: drafts continue from tokens on the host,
+so before a step that drafts the step in flight is finished, and a drafting step completes before the next is
+scheduled (``SpeculativeProposer.will_draft``).
 """
 from __future__ import annotations
 
@@ -181,8 +184,7 @@ class LLMEngine:
 
         self.proposer = None
         if self.spec_config is not None:
-            # Drafts are proposed from the tokens of the step just read back, so steps cannot overlap.
-            self.async_scheduling = False
+            # Drafts are proposed from the tokens of the step just read back: only steps without drafts overlap.
             self.proposer = SpeculativeProposer(self.spec_config, self.roofline, self.max_model_len)
             if self.spec_config.method != "ngram":
                 self._make_drafter(num_blocks)
@@ -190,7 +192,7 @@ class LLMEngine:
                     "%s on %s%s", num_blocks, config.block_size, num_blocks * per_block / 2**20,
                     _kv_dtype_text(config.kv_cache_dtype, self.kv_dtype), num_blocks * config.block_size,
                     self.max_model_len, str(self.dtype).removeprefix("torch."), self.device,
-                    "; asynchronous scheduling" if self.async_scheduling else "")
+                    self._scheduling_text())
         graphs_ok = self.parallel is None or tp_cuda_graphs(config)  # see tp_cuda_graphs; never under PP
         # offloaded weights are copied in by Python hooks around each layer, which a CUDA graph would not replay
         offloading = getattr(self.model, "weight_offloader", None) is not None
@@ -209,6 +211,13 @@ class LLMEngine:
             self.admission = TTFTPredictor(
                 lambda q, c, r: roofline.predict(q, c, r) / (roofline.fraction_quantile(ADMISSION_QUANTILE) or 1.0),
                 config.max_num_batched_tokens, config.max_num_seqs)
+
+    def _scheduling_text(self) -> str:
+        if not self.async_scheduling:
+            return "; synchronous scheduling" if self.proposer is not None else ""
+        if self.proposer is not None:
+            return "; asynchronous scheduling while speculation is switched off (drafting steps run synchronously)"
+        return "; asynchronous scheduling"
 
     def _structured_manager(self):
         if self.structured is None:
@@ -366,8 +375,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step. Synchronous: schedule, execute, wait, update. Asynchronous: schedule and launch
         this step, then finish the previous one (its outputs are what this call returns)."""
-        if self.proposer is not None:
-            self.proposer.propose(self.scheduler.running, self.stats)
+        outputs = self._propose() if self.proposer is not None else []
         out = self.scheduler.schedule()
         if self.structured is not None and not out.is_empty:
             self.structured.attach_bitmask(out)
@@ -378,9 +386,32 @@ class LLMEngine:
             handle = self.runner.execute(out) if self.parallel is None else self.parallel.execute(self.runner, out)
             self._in_flight.append((out, handle, launched))
             self.stats.num_steps += 1
-        depth = 2 if self.async_scheduling else 1
+        # a step that drafts or verifies completes before the next is scheduled (its drafts continue from its tokens)
+        depth = 2 if self.async_scheduling and (self.proposer is None or not self.proposer.drafting) else 1
         if not self._in_flight or (len(self._in_flight) < depth and not out.is_empty):
+            return outputs
+        done = self._finish_step()
+        if not outputs:
+            return done
+        latest = {o.request_id: o for o in outputs + done}  # outputs are cumulative: one per request, the newest
+        return list(latest.values())
+
+    def _propose(self) -> list[RequestOutput]:
+        """Drafts for the coming step. Under asynchronous scheduling a step that will not draft is pipelined; before
+        one that will, the step in flight is finished (its outputs are returned), so that drafts continue from tokens
+        on the host exactly as in the synchronous mode."""
+        running = self.scheduler.running
+        if self.async_scheduling and not self.proposer.will_draft(running, self.stats):
+            self.proposer.skip(running, self.stats)
             return []
+        outputs = []
+        while self._in_flight:
+            outputs += self._finish_step()
+        self.proposer.propose(self.scheduler.running, self.stats)
+        return outputs
+
+    def _finish_step(self) -> list[RequestOutput]:
+        """Wait for the oldest step in flight and apply its results: tokens, stop checks, drafts, outputs."""
         done_out, handle, launched = self._in_flight.popleft()
         result = handle.get()
         done = time.perf_counter()

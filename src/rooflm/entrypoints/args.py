@@ -28,7 +28,8 @@ _HELP = {
     "attention_backend": "auto (follows --ops) | torch (reference) | triton | cpu",
     "ops": "auto | native | triton | cpu: which implementation each operator uses",
     "show_progress": "show a progress bar while the weights load",
-    "async_scheduling": "schedule step N+1 while step N runs on the GPU (default: on for CUDA, off on the CPU)",
+    "async_scheduling": "schedule step N+1 while step N runs on the GPU (default: on for CUDA, off on the CPU); with "
+                        "speculative decoding only the steps in which speculation is switched off overlap",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV pool",
     "speculative_config": "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
                           "(default: off)",

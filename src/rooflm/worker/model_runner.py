@@ -303,7 +303,9 @@ class ModelRunner:
             for st in plain:
                 st.num_tokens += 1
             self.batch.record_sampled(rows, so.sampled_token_ids, penalty_rows, penalty_index)
-            if hasattr(self.drafter, "observe"):  # Medusa heads draft from the hidden state that sampled
+            # Medusa heads draft from the hidden state that sampled; only a drafting step needs it (and a pipelined
+            # step must not wait for its forward pass, as observe's row count does)
+            if hasattr(self.drafter, "observe") and self.drafter.enabled:
                 self.drafter.observe(rows, hidden[torch.tensor(sample_idx, device=self.device)])
         spec_out = self._verify(spec, out, hidden, spec_idx) if spec else (None, None)
         drafts = self._draft(plain, spec, spec_out[1]) if self.drafter is not None else None
