@@ -47,7 +47,7 @@ def _make(make_engine, spec, rule: str | None, async_scheduling: bool, **kw):
 @pytest.mark.parametrize("kw", [dict(max_num_seqs=4), dict(num_gpu_blocks_override=14, max_model_len=128),
                                 dict(max_num_batched_tokens=20, max_num_seqs=6)],
                          ids=["arrivals", "preempting", "chunked"])
-def test_ngram_async_equals_sync_and_plain(make_engine, echo_prompts, rule, kw):
+def test_ngram_async_equals_sync_and_plain(make_engine, echo_prompts, rule, kw):  # noqa: F811 (fixtures)
     params = _workload()
     prompts = echo_prompts + echo_prompts[:1]
     plain = _summary(run(make_engine(async_scheduling=False, **kw), prompts, params))
@@ -74,7 +74,7 @@ def _method_spec(method: str, tiny: str, heads: str) -> dict:
 
 
 @pytest.mark.parametrize("method, schedule", [("tiny", "preempting"), ("self", "chunked"), ("medusa", "roomy")])
-def test_model_drafts_async_equal_sync_and_plain(make_engine, mixed_prompts, tiny_config, heads_dir, method,
+def test_model_drafts_async_equal_sync_and_plain(make_engine, mixed_prompts, tiny_config, heads_dir, method,  # noqa: F811
                                                  schedule):
     """Draft-model, self and Medusa drafts are made in the runner after a drafting step only: never after a pipelined
     one (the drafter is off, and the step in flight is finished before the next drafting step is scheduled)."""
@@ -98,7 +98,7 @@ def test_model_drafts_async_equal_sync_and_plain(make_engine, mixed_prompts, tin
         assert stats.prefix_hits > 0
 
 
-def test_requests_arriving_while_steps_are_in_flight(make_engine, echo_prompts):
+def test_requests_arriving_while_steps_are_in_flight(make_engine, echo_prompts):  # noqa: F811 (a fixture)
     """Requests added between steps join a batch whose mode flips (a pipelined step may be in flight when they
     arrive); each ends as on the plain path."""
     params = _workload()

@@ -2,7 +2,7 @@
 # One call on a GPU machine: run from the repository root as
 #   bash tests/gpu/device_session.sh STAGE...      (stages: info tests kbench latency1 latency32 prefill throughput
 #                                                   qlat fp8pre qtests kvlat qsweep offload newtests
-#                                                   swap hostcopy kvoffload multiturn)
+#                                                   swap hostcopy kvoffload multiturn specasync mixtral2)
 # JSON and profiles go to $OUT (or ./out), every stage's log is appended to $OUT/all.log (the device tool returns at
 # most 8 files). Every stage has its own time limit, so one failure does not sink the call.
 set -u
@@ -76,6 +76,19 @@ for stage in "$@"; do
                    --dtype float16 --num-users 16 --num-turns 6 --input-len 256 --output-len 64 --pool-fraction 0.25 \
                    --kv-offload-gb 0,auto --json "$OUT/multiturn_$m.json"
                done ;;
+    specasync) TAIL=8 run specasync_tests 200 $PY -m pytest tests/gpu/test_gpu_spec_async.py -q -rs -p no:cacheprovider
+               for spec in none ngram; do
+                 extra=(); [ $spec = ngram ] && extra=(--speculative-config '{"method":"ngram","num_speculative_tokens":4}')
+                 TAIL=6 CUDA_VISIBLE_DEVICES=0 run "specthr_$spec" 240 $PY -m rooflm.cli bench throughput --model llama-2-7b \
+                   --load-format dummy --num-prompts 128 --max-num-seqs 64 --input-len 512 --output-len 128 \
+                   --dtype float16 "${extra[@]}" --json "$OUT/specthr_$spec.json"
+               done ;;
+    mixtral2) for mode in ${MIXTRAL_MODES:-tp ep}; do
+                extra=(); [ $mode = ep ] && extra=(--enable-expert-parallel)
+                TAIL=6 run "mixtral_${mode}2" ${MIXTRAL_LIMIT:-240} $PY -m rooflm.cli bench latency --model mixtral-8x7b --load-format dummy \
+                  --dtype float16 --input-len 512 --output-len 32 --num-iters 1 --batch-size 1 -tp 2 --yes "${extra[@]}" \
+                  --json "$OUT/mixtral_${mode}2_b1.json"
+              done ;;
     *) echo "unknown stage $stage";;
   esac
 done

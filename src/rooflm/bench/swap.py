@@ -8,7 +8,8 @@ on one engine:
 
 - **recompute**: the wall time of a prefill of ``c`` random prompt tokens through the engine (prefix caching off,
   the engine's own chunking and step overheads included) that samples one token: what resuming by recomputation
-  costs;
+  costs. The engine runs synchronously here: under asynchronous scheduling a request of one token would also launch
+  the decode step that follows its prefill before its token is read back;
 - **swap**: the time of the copy of ``ceil(c / block_size)`` KV blocks (every layer, K and V) to host memory and back,
   through the engine's own copy path (``HostSwapSpace``: pinned buffer, side stream), each direction synchronised.
   The first round trip of each length is checked: the blocks come back bit for bit, else the benchmark fails.
@@ -148,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     extra = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     config = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                           block_size=bs, max_num_seqs=1, seed=args.seed, enable_prefix_caching=False,
-                          preemption_mode="recompute", show_progress=False, **extra)
+                          preemption_mode="recompute", async_scheduling=False, show_progress=False, **extra)
     engine = LLMEngine(config)
     contexts = parse_contexts(args.contexts, engine.max_model_len, device.type == "cuda")
     caches = engine.runner.kv_caches
@@ -167,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
     for c in contexts:
         n = -(-c // bs)
         prompt = torch.randint(100, cfg.vocab_size - 100, (c,), generator=g).tolist()
-        _prefill_seconds(engine, prompt)  # warm-up of this shape
+        for _ in range(2):  # warm-up of this shape (the first call of a new length ran 2-3x slower on an H100)
+            _prefill_seconds(engine, prompt)
         time_swap_round_trip(space, caches, n, device, verify=True)
         recompute = statistics.median(_prefill_seconds(engine, prompt) for _ in range(args.num_iters))
         trips = [time_swap_round_trip(space, caches, n, device, verify=False) for _ in range(args.num_iters)]
