@@ -3,26 +3,20 @@ heads come back on the CPU, and `rooflm train-medusa --device cuda --self-distil
 Skipped without CUDA."""
 from __future__ import annotations
 
-import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-        "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
 
-
-def _text(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 16, (n,), generator=g).tolist()
+from medusa_models import cycling_model, random_text as _text  # noqa: E402
 
 
 def test_self_distillation_trains_on_cuda_and_returns_cpu_heads(tmp_path):
-    from rooflm.loader import load_model
     from rooflm.spec_decode.medusa import (
         load_medusa_heads,
         model_identity,
@@ -30,18 +24,7 @@ def test_self_distillation_trains_on_cuda_and_returns_cpu_heads(tmp_path):
     )
     from rooflm.spec_decode.medusa_train import MedusaTrainConfig, train_medusa
 
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(TINY))
-    model, cfg = load_model(str(path), load_format="dummy", dtype=torch.bfloat16, device="cuda", show_progress=False,
-                            seed=3)
-    # greedy continuations cycle through tokens 3..15 (see tests/unit/test_medusa_distill.py)
-    perm = torch.tensor([0, 1, 2] + [3 + (u - 3 + 5) % 13 for u in range(3, 16)], device="cuda")
-    with torch.no_grad():
-        weight = torch.empty_like(model.lm_head.weight)
-        weight[perm] = 10 * model.model.embed_tokens.weight
-        model.lm_head.weight.copy_(weight)
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model, cfg = cycling_model(tmp_path, torch.bfloat16, "cuda")
     tc = MedusaTrainConfig(num_heads=2, steps=60, lr=3e-2, batch_size=4, seq_len=32, eval_tokens=64,
                            warmup_steps=2, log_every=60, self_distill=24, distill_len=40, distill_prompt_len=8,
                            distill_eval=6)

@@ -4,13 +4,18 @@ tokens, and bad settings are refused naming the flag."""
 from __future__ import annotations
 
 import gc
-import json
+import os
+import sys
 
 import pytest
 import torch
 from torch.nn import functional as F
 
-from rooflm.spec_decode.medusa import MedusaHeads
+sys.path.insert(0, os.path.dirname(__file__))
+
+from medusa_models import cycling_model, random_text  # noqa: E402
+
+from rooflm.spec_decode.medusa import MedusaHeads  # noqa: E402
 from rooflm.spec_decode.medusa_distill import (
     IGNORE,
     Example,
@@ -28,37 +33,16 @@ from rooflm.spec_decode.medusa_train import (
     train_medusa,
 )
 
-TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
-        "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A tiny random model whose greedy continuations cycle through tokens 3..15 (u -> 3 + (u - 3 + 5) mod 13): its
-    LM head row of token perm(u) is 10 x u's embedding, so the argmax after u is perm(u). Random weights alone
-    continue every prompt with one repeated token, which untrained heads (copies of the LM head) already predict."""
-    from rooflm.loader import load_model
-
-    path = tmp_path_factory.mktemp("tiny") / "config.json"
-    path.write_text(json.dumps(dict(TINY, tie_word_embeddings=False)))
-    model, cfg = load_model(str(path), load_format="dummy", dtype=torch.float32, device="cpu", show_progress=False,
-                            seed=3)
-    perm = torch.tensor([0, 1, 2] + [3 + (u - 3 + 5) % 13 for u in range(3, 16)])
-    with torch.no_grad():
-        weight = torch.empty_like(model.lm_head.weight)
-        weight[perm] = 10 * model.model.embed_tokens.weight
-        model.lm_head.weight.copy_(weight)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model, cfg
+    return cycling_model(tmp_path_factory.mktemp("tiny"), torch.float32, "cpu")
 
 
 def _text(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 16, (n,), generator=g).tolist()  # no BOS/EOS inside the text
+    return random_text(n, seed)  # no BOS/EOS inside the text
 
 
 def test_distilled_sequences_are_the_models_greedy_continuations(tiny):
