@@ -77,15 +77,17 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "running-ignores-budget", _SCHED,
-        "            num_new = min(req.num_tokens - req.num_computed_tokens, budget)\n            if req.spec_token_ids",
-        "            num_new = req.num_tokens - req.num_computed_tokens\n            if req.spec_token_ids",
+        "            num_new = granted = self._limit(req, min(req.num_tokens - req.num_computed_tokens, budget))\n"
+        "            if req.spec_token_ids",
+        "            num_new = granted = self._limit(req, req.num_tokens - req.num_computed_tokens)\n"
+        "            if req.spec_token_ids",
         (f"{_T_SCHED}::test_a_long_prompt_is_split_into_budget_sized_chunks",),
         "a running request's next chunk ignores the token budget",
     ),
     Mutant(
         "admission-ignores-budget", _SCHED,
-        "            num_new = min(req.num_tokens - num_cached, budget)",
-        "            num_new = req.num_tokens - num_cached",
+        "            num_new = self._limit(req, min(req.num_tokens - num_cached, budget))",
+        "            num_new = self._limit(req, req.num_tokens - num_cached)",
         (f"{_T_SCHED}::test_a_long_prompt_is_split_into_budget_sized_chunks",
          f"{_T_SCHED}::test_budget_is_never_exceeded_over_a_mixed_run"),
         "an admitted prompt is not chunked to the step's remaining budget",
