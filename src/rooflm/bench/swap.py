@@ -1,6 +1,6 @@
 """Swap against recompute: the context length from which swapping a preempted request's KV beats recomputing it.
 
-``rooflm bench swap --contexts 256,1024,4096,16384``
+``rooflm bench swap --contexts 256,1024,4000``
 
 A preempted request resumes either by recomputation (one prefill of its context, vLLM's default) or by swapping its
 KV blocks out to host memory and back (Kwon et al. 2023, section 4.5). For each context length ``c`` this measures,
@@ -137,8 +137,8 @@ def run(args: argparse.Namespace) -> int:
 
     from rooflm.config import EngineConfig
     from rooflm.engine.engine import LLMEngine, resolve_device
-    from rooflm.kv_cache.swap import DEFAULT_HOST_BANDWIDTH, choose_swap
-    from rooflm.worker.swap_space import HostSwapSpace, _parts, measure_host_bandwidth
+    from rooflm.kv_cache.swap import choose_swap
+    from rooflm.worker.swap_space import HostSwapSpace, _parts, host_link_bandwidth
 
     check_output_args(args)
     if args.num_iters < 1:
@@ -161,8 +161,7 @@ def run(args: argparse.Namespace) -> int:
     per_block = sum(p[:, :1].nbytes for cache in caches for p in _parts(cache))
     space = HostSwapSpace(max_blocks, bs, cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers,
                           engine.dtype, engine.config.kv_cache_dtype, engine.device)
-    bandwidth = (measure_host_bandwidth(device) if device.type == "cuda"
-                 else DEFAULT_HOST_BANDWIDTH.get(device.type, DEFAULT_HOST_BANDWIDTH["cpu"]))
+    bandwidth = host_link_bandwidth(device)
     g = torch.Generator().manual_seed(args.seed)
     rows = []
     for c in contexts:

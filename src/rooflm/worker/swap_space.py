@@ -29,8 +29,8 @@ from rooflm.kv_cache.swap import DEFAULT_HOST_BANDWIDTH, SwapManager
 if TYPE_CHECKING:
     from rooflm.engine.engine import LLMEngine
 
-__all__ = ["HostSwapSpace", "setup_swap", "measure_host_bandwidth", "host_runs", "cuda_view_of_pinned",
-           "COPY_MODES"]
+__all__ = ["HostSwapSpace", "setup_swap", "measure_host_bandwidth", "host_link_bandwidth", "host_runs",
+           "cuda_view_of_pinned", "COPY_MODES"]
 
 COPY_MODES = ("auto", "dma-runs", "uva")
 # How CUDA copies move blocks (the CPU always copies directly): "dma-runs", one copy-engine transfer per run of
@@ -201,6 +201,13 @@ def measure_host_bandwidth(device: torch.device, nbytes: int = 64 * 2**20) -> fl
     return nbytes / max(time.perf_counter() - start, 1e-9)
 
 
+def host_link_bandwidth(device: torch.device, measure: bool = True) -> float:
+    """Host <-> device bytes per second: measured on CUDA (``measure``), else the assumed ``DEFAULT_HOST_BANDWIDTH``."""
+    if measure and device.type == "cuda":
+        return measure_host_bandwidth(device)
+    return DEFAULT_HOST_BANDWIDTH.get(device.type, DEFAULT_HOST_BANDWIDTH["cpu"])
+
+
 def setup_swap(engine: "LLMEngine", bytes_per_block: int) -> None:
     """Give the engine's scheduler a ``SwapManager`` and its runner a ``HostSwapSpace`` of ``swap_space`` GiB, unless
     ``preemption_mode`` is "recompute". ``auto`` compares the live roofline's prefill time of a victim's context with
@@ -210,9 +217,8 @@ def setup_swap(engine: "LLMEngine", bytes_per_block: int) -> None:
         return
     num_host_blocks = int(c.swap_space * 2**30) // bytes_per_block
     cfg = engine.model_config
-    bandwidth = DEFAULT_HOST_BANDWIDTH.get(engine.device.type, DEFAULT_HOST_BANDWIDTH["cpu"])
-    if c.preemption_mode == "auto" and engine.device.type == "cuda":
-        bandwidth = measure_host_bandwidth(engine.device)
+    # only auto's rule reads the bandwidth: the other modes do not pay for the measurement
+    bandwidth = host_link_bandwidth(engine.device, measure=c.preemption_mode == "auto")
     roofline = engine.roofline
     engine.scheduler.swap = SwapManager(
         num_host_blocks, c.preemption_mode, bytes_per_block,
