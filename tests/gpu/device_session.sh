@@ -2,7 +2,8 @@
 # One call on a GPU machine: run from the repository root as
 #   bash tests/gpu/device_session.sh STAGE...      (stages: info tests kbench latency1 latency32 prefill throughput
 #                                                   qlat fp8pre qtests kvlat qsweep offload newtests
-#                                                   swap hostcopy kvoffload multiturn specasync mixtral2)
+#                                                   swap hostcopy kvoffload multiturn specasync mixtral2
+#                                                   verifygraphs medusagpu)
 # JSON and profiles go to $OUT (or ./out), every stage's log is appended to $OUT/all.log (the device tool returns at
 # most 8 files). Every stage has its own time limit, so one failure does not sink the call.
 set -u
@@ -83,6 +84,18 @@ for stage in "$@"; do
                    --load-format dummy --num-prompts 128 --max-num-seqs 64 --input-len 512 --output-len 128 \
                    --dtype float16 "${extra[@]}" --json "$OUT/specthr_$spec.json"
                done ;;
+    verifygraphs) TAIL=8 run verify_graph_tests 300 $PY -m pytest tests/gpu/test_gpu_verify_graphs.py \
+                    tests/gpu/test_gpu_spec_async.py -q -rs -p no:cacheprovider
+                  TAIL=20 run verify_cost 300 $PY -m rooflm.cli bench spec --verify-cost --model llama-2-7b \
+                    --load-format dummy --dtype float16 --verify-batch-sizes ${VERIFY_BATCHES:-1,8,64} \
+                    --json "$OUT/verify_cost.json" ;;
+    # Medusa heads self-distilled on the GPU for the embedded GGUF model; MEDUSA_GGUF names the file (the GPU
+    # machine has no package index), the heads go to $OUT/medusa-heads
+    medusagpu) TAIL=30 run medusa_train 480 $PY -m rooflm.cli train-medusa --model "$MEDUSA_GGUF" --device cuda \
+                 --dtype float32 --self-distill ${DISTILL_N:-4096} --distill-len 256 --distill-prompt-len 64 \
+                 --distill-eval 32 --steps ${MEDUSA_STEPS:-1000} --batch-size 16 --lr 2e-3 --out "$OUT/medusa-heads"
+               TAIL=8 ROOFLM_TEST_GGUF="$MEDUSA_GGUF" run medusa_distill_test 200 $PY -m pytest tests/gpu/test_gpu_medusa_distill.py -q -rs \
+                 -p no:cacheprovider ;;
     mixtral2) for mode in ${MIXTRAL_MODES:-tp ep}; do
                 extra=(); [ $mode = ep ] && extra=(--enable-expert-parallel)
                 TAIL=6 run "mixtral_${mode}2" ${MIXTRAL_LIMIT:-240} $PY -m rooflm.cli bench latency --model mixtral-8x7b --load-format dummy \

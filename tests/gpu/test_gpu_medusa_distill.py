@@ -3,6 +3,7 @@ heads come back on the CPU, and `rooflm train-medusa --device cuda --self-distil
 Skipped without CUDA."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -44,7 +45,9 @@ def test_train_medusa_command_on_cuda_writes_heads_that_load_on_the_cpu(tmp_path
     from rooflm.spec_decode.medusa import load_medusa_heads
 
     out = tmp_path / "heads"
-    rc = main(["train-medusa", "--device", "cuda", "--self-distill", "8", "--distill-len", "32", "--distill-eval",
+    # the embedded model's GGUF file, where its package is not installed (a GPU machine without a package index)
+    model = ["--model", os.environ["ROOFLM_TEST_GGUF"]] if os.environ.get("ROOFLM_TEST_GGUF") else []
+    rc = main(["train-medusa", *model, "--device", "cuda", "--self-distill", "8", "--distill-len", "32", "--distill-eval",
                "2", "--steps", "4", "--batch-size", "4", "--log-every", "2", "--eval-tokens", "256", "--heads", "3",
                "--out", str(out)])
     assert rc == 0

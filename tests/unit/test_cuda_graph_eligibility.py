@@ -24,3 +24,36 @@ def test_a_model_that_waits_on_the_host_is_not_captured(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="rooflm"):
         assert capture_decode_graphs(runner, max_num_seqs=4) is None
     assert "MixtralForCausalLM synchronizes with the host" in caplog.text
+
+
+def _meta(num_new: list[int]):
+    from rooflm.attention.metadata_utils import build_attention_metadata
+
+    tables = [[i * 4 + j for j in range(4)] for i in range(len(num_new))]
+    return build_attention_metadata(tables, [7] * len(num_new), num_new, 16)[0]
+
+
+def test_a_step_has_a_graph_shape_only_when_every_request_scores_the_same_tokens() -> None:
+    from rooflm.worker.cuda_graphs import uniform_query_len
+
+    assert uniform_query_len(_meta([1, 1, 1])) == 1  # decode
+    assert uniform_query_len(_meta([5, 5])) == 5  # a verify step of four drafts each
+    assert uniform_query_len(_meta([5])) == 5
+    assert uniform_query_len(_meta([5, 3])) == 0  # one request proposed fewer drafts: eager
+    assert uniform_query_len(_meta([1, 5])) == 0
+    tree = _meta([3, 3])
+    tree.tree_masks = [None, torch.ones(3, 3, dtype=torch.bool).tril()]
+    assert uniform_query_len(tree) == 0  # a token tree's mask is its own: eager
+    tree.tree_masks = [None, None]
+    assert uniform_query_len(tree) == 3
+
+
+def test_verify_graphs_cover_every_chain_length_at_small_batches() -> None:
+    from rooflm.worker.cuda_graphs import VERIFY_MAX_BATCH, batch_buckets, verify_buckets
+
+    sizes = batch_buckets(64)
+    got = verify_buckets(sizes, 4)
+    assert sorted(got) == [2, 3, 4, 5]
+    assert all(v == [b for b in sizes if b <= VERIFY_MAX_BATCH] for v in got.values())
+    assert verify_buckets(sizes, 0) == {}
+    assert verify_buckets([16, 32], 4) == {}

@@ -166,12 +166,14 @@ def spec_configs(text: str) -> list[str]:
 def verify_cost(model_name: str, load_format: str, dtype: str, batch_sizes: list[int], context: int,
                 ks: list[int]) -> list[dict]:
     """The cost of a verify step of k + 1 tokens per request over a plain decode step (k = 0), at ``context`` tokens
-    of context, each timed as one eager forward pass plus the LM head on every scored position (CUDA events on a GPU),
-    beside the live roofline's prediction for the same steps."""
+    of context, each timed as one forward pass plus the LM head on every scored position, beside the live roofline's
+    prediction for the same steps. On a GPU each step is timed twice with CUDA events: launched eagerly, and replayed
+    from a CUDA graph of its shape (as the engine runs decode and chain verify steps)."""
     import torch
 
     from rooflm.attention.metadata_utils import build_attention_metadata
     from rooflm.llm import LLM
+    from rooflm.worker.cuda_graphs import DecodeGraphRunner
 
     llm = LLM(model_name, load_format=load_format, dtype=dtype, enforce_eager=True, show_progress=False,
               max_model_len=context + max(ks) + 1, kv_cache_memory=None if torch.cuda.is_available() else 2**30)
@@ -184,7 +186,11 @@ def verify_cost(model_name: str, load_format: str, dtype: str, batch_sizes: list
         if b * blocks_per_seq > runner.num_blocks:
             continue
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(b)]
-        times = {}
+        graphs = None
+        if cuda:
+            graphs = DecodeGraphRunner(model, runner.kv_caches, b, blocks_per_seq, engine.device, max(ks) + 1)
+            graphs.capture([b], {k + 1: [b] for k in ks})
+        times, graph_times = {}, {}
         for k in [0] + ks:
             meta, pos = build_attention_metadata(tables, [context] * b, [k + 1] * b, bs, engine.device)
             ids = torch.randint(0, engine.model_config.vocab_size, (b * (k + 1),), device=engine.device)
@@ -193,30 +199,47 @@ def verify_cost(model_name: str, load_format: str, dtype: str, batch_sizes: list
                 with torch.inference_mode():
                     return model.compute_logits(model(ids, pos, runner.kv_caches, meta))
 
-            for _ in range(2):
-                step()
-            samples = []
-            for _ in range(5):
-                if cuda:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    step()
-                    end.record()
-                    end.synchronize()
-                    samples.append(start.elapsed_time(end) / 1e3)
-                else:
-                    t0 = time.perf_counter()
-                    step()
-                    samples.append(time.perf_counter() - t0)
-            times[k] = sorted(samples)[len(samples) // 2]
+            times[k] = _median_time(step, cuda)
+            if graphs is not None:
+                graph_times[k] = _median_time(lambda: graphs.run(ids, pos, meta), cuda)
         for k in ks:
             predicted = (engine.roofline.predict([k + 1] * b, [context + k + 1] * b, b * (k + 1))
                          / engine.roofline.predict([1] * b, [context + 1] * b, b))
-            rows.append({"batch": b, "k": k, "decode_s": times[0], "verify_s": times[k],
-                         "measured_ratio": times[k] / times[0], "roofline_ratio": predicted})
-            print(f"  batch {b:3d}  k={k}: verify {times[k] * 1e3:8.3f} ms / decode {times[0] * 1e3:8.3f} ms = "
-                  f"{times[k] / times[0]:.3f}  (roofline {predicted:.3f})")
+            row = {"batch": b, "k": k, "decode_s": times[0], "verify_s": times[k],
+                   "measured_ratio": times[k] / times[0], "roofline_ratio": predicted}
+            line = (f"  batch {b:3d}  k={k}: eager verify {times[k] * 1e3:8.3f} ms / decode {times[0] * 1e3:8.3f} ms"
+                    f" = {times[k] / times[0]:.3f}")
+            if graph_times:
+                row.update(graph_decode_s=graph_times[0], graph_verify_s=graph_times[k],
+                           graph_ratio=graph_times[k] / graph_times[0])
+                line += (f"; graphs {graph_times[k] * 1e3:8.3f} / {graph_times[0] * 1e3:8.3f} ms = "
+                         f"{graph_times[k] / graph_times[0]:.3f}")
+            rows.append(row)
+            print(f"{line}  (roofline {predicted:.3f})")
+        graphs = None  # its memory pool goes with it
     return rows
+
+
+def _median_time(step, cuda: bool, reps: int = 5) -> float:
+    """Median seconds of ``step`` after two warm-up calls (CUDA events on a GPU, the wall clock elsewhere)."""
+    import torch
+
+    for _ in range(2):
+        step()
+    samples = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            step()
+            samples.append(time.perf_counter() - t0)
+    return sorted(samples)[len(samples) // 2]
 
 
 def latency_comparison(engine, spec: str, prompts: list[list[list[int]]], plain_iters: list[dict], output_len: int,

@@ -197,7 +197,7 @@ class LLMEngine:
         # offloaded weights are copied in by Python hooks around each layer, which a CUDA graph would not replay
         offloading = getattr(self.model, "weight_offloader", None) is not None
         if self.device.type == "cuda" and not config.enforce_eager and graphs_ok and not offloading:
-            self.runner.capture_graphs(config.max_num_seqs)
+            self.runner.capture_graphs(config.max_num_seqs, self._verify_graph_tokens())
         self._ids = itertools.count()
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float]] = deque()
         self._last_done = 0.0  # when the host last saw a step complete
@@ -211,6 +211,12 @@ class LLMEngine:
             self.admission = TTFTPredictor(
                 lambda q, c, r: roofline.predict(q, c, r) / (roofline.fraction_quantile(ADMISSION_QUANTILE) or 1.0),
                 config.max_num_batched_tokens, config.max_num_seqs)
+
+    def _verify_graph_tokens(self) -> int:
+        """Drafts per request that verify steps are captured for: a chain of k drafts; 0 without speculation or with
+        token trees (a tree's mask makes each step's shape its own)."""
+        sc = self.spec_config
+        return sc.num_speculative_tokens if sc is not None and sc.tree_shape() is None else 0
 
     def _scheduling_text(self) -> str:
         if not self.async_scheduling:

@@ -131,11 +131,12 @@ class ModelRunner:
         self.swap_space = None  # HostSwapSpace (worker/swap_space.py) under swap preemption
         self.kv_offload = None  # HostSwapSpace of the prefix cache's host tier (worker/kv_offload.py)
 
-    def capture_graphs(self, max_num_seqs: int) -> None:
-        """Capture decode CUDA graphs (the runner's one graph-or-eager choice is made per step in ``execute``)."""
+    def capture_graphs(self, max_num_seqs: int, num_speculative_tokens: int = 0) -> None:
+        """Capture decode CUDA graphs, and verify graphs for chains of up to ``num_speculative_tokens`` drafts (the
+        runner's one graph-or-eager choice is made per step in ``execute``)."""
         from rooflm.worker.cuda_graphs import capture_decode_graphs
 
-        self.graph_runner = capture_decode_graphs(self, max_num_seqs)
+        self.graph_runner = capture_decode_graphs(self, max_num_seqs, num_speculative_tokens)
 
     # -- state ------------------------------------------------------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -275,7 +276,7 @@ class ModelRunner:
         graph_logits = None
         if self.graph_runner is not None and meta.attn_scores is None and self.graph_runner.can_run(meta):
             hidden = self.graph_runner.run(ids, pos, meta)
-            graph_logits = self.graph_runner.logits  # [num_seqs, vocab]: the LM head is in the graph too
+            graph_logits = self.graph_runner.logits  # [num_tokens, vocab]: the LM head is in the graph too
         else:
             hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
         if self.drafter is not None:
@@ -292,7 +293,7 @@ class ModelRunner:
         req_ids = [s.req_id for s in states if s.req_id in sample_set]
         so = None
         if plain:
-            if graph_logits is not None and len(plain) == len(states):
+            if graph_logits is not None and len(plain) == len(states) and self.graph_runner.query_len == 1:
                 logits = graph_logits  # a decode step: one row per request, every request samples
                 rows = rows_t
             else:
@@ -307,7 +308,10 @@ class ModelRunner:
             # step must not wait for its forward pass, as observe's row count does)
             if hasattr(self.drafter, "observe") and self.drafter.enabled:
                 self.drafter.observe(rows, hidden[torch.tensor(sample_idx, device=self.device)])
-        spec_out = self._verify(spec, out, hidden, spec_idx) if spec else (None, None)
+        # a verify graph scored every token of the step; when every token is a verified one, its logits are the rows
+        verify_logits = (graph_logits if graph_logits is not None and self.graph_runner.query_len > 1
+                         and len(spec_idx) == len(ids) else None)
+        spec_out = self._verify(spec, out, hidden, spec_idx, verify_logits) if spec else (None, None)
         drafts = self._draft(plain, spec, spec_out[1]) if self.drafter is not None else None
         handle = StepHandle(req_ids, [s.req_id for s in plain], so.sampled_token_ids if so else None,
                             so.logprob_token_ids if so else None, so.logprobs if so else None,
@@ -334,12 +338,13 @@ class ModelRunner:
         return self.drafter.propose(reqs, self.batch.last_token)
 
     def _verify(self, spec: list[CachedRequestState], out: SchedulerOutput, hidden: torch.Tensor,
-                spec_idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                spec_idx: list[int], logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Score every position of the requests with draft tokens and keep what the target model accepts."""
         from rooflm.spec_decode.rejection import verify
 
         drafts = [out.scheduled_spec_tokens[s.req_id] for s in spec]
-        logits = self.model.compute_logits(hidden[torch.tensor(spec_idx, device=self.device)])  # [S, vocab]
+        if logits is None:
+            logits = self.model.compute_logits(hidden[torch.tensor(spec_idx, device=self.device)])  # [S, vocab]
         params = [s.params for s in spec for _ in range(len(out.scheduled_spec_tokens[s.req_id]) + 1)]
         md = SamplingMetadata.from_params(params, [[]] * len(params), [[]] * len(params), [None] * len(params),
                                           self.device)
