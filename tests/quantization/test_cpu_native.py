@@ -188,3 +188,72 @@ def test_build_is_cached_by_source_and_flags(monkeypatch, tmp_path):
     assert native_build.build_library(("-DQMM_FORCE_SCALAR", "-O2")) != a
     assert not [p for p in a.parent.iterdir() if p.name.startswith(".build-")]  # no temporary left behind
     assert cpu_native.isa_name(load_library(("-DQMM_FORCE_SCALAR",))) == "scalar"
+
+
+def test_rows_do_not_depend_on_the_batch(lib):
+    """Each activation row is quantized on its own and each output is one thread's sum over blocks, so a row's
+    result is the same bits whatever rows it is batched with (a speculative verify step scores what decoding
+    would)."""
+    pw = _weight(4, 32, 200, 576, True, seed=11)
+    nw = pack_native(pw, lib)
+    x = torch.randn(11, 576, generator=torch.Generator().manual_seed(11))
+    full = native_linear(x, nw)
+    for i in (0, 4, 10):
+        assert torch.equal(native_linear(x[i:i + 1], nw)[0], full[i])
+    assert torch.equal(native_linear(x[3:8], nw), full[3:8])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The default GGUF model (SmolLM2-135M: Q4_1 projections, Q8_0 tied LM head) end to end
+# ---------------------------------------------------------------------------------------------------------------------
+def _excerpt_perplexity(llm) -> float:
+    from rooflm.bench.perplexity import excerpt_tokens, load_text, perplexity
+
+    ids = excerpt_tokens(llm.get_tokenizer(), load_text(), 512)
+    return perplexity(llm, ids, window=256).perplexity
+
+
+@pytest.mark.slow
+def test_default_model_perplexity_with_native_kernel(monkeypatch, default_model_path):
+    from rooflm.llm import LLM
+
+    results = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv("ROOFLM_CPU_NATIVE", mode)
+        llm = LLM(default_model_path, device="cpu", max_model_len=257, max_num_batched_tokens=256,
+                  enable_prefix_caching=False, show_progress=False)
+        assert llm.engine.model.lm_head._cpu_weight.kind == ("native" if mode == "on" else "int4")
+        results[mode] = _excerpt_perplexity(llm)
+        del llm
+    assert results["on"] != results["off"]  # the activations are rounded differently: not the same floats
+    assert abs(results["on"] / results["off"] - 1) < 0.01, results
+
+
+@pytest.mark.slow
+def test_default_model_lean_and_module_paths_agree_with_native_kernel(monkeypatch, default_model_path):
+    from rooflm.attention.metadata_utils import allocate_kv_caches, build_attention_metadata
+    from rooflm.loader import load_model
+
+    monkeypatch.setenv("ROOFLM_CPU_NATIVE", "on")
+    model, cfg = load_model(default_model_path, show_progress=False)
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj._cpu_weight.kind == "native"
+    assert model.lm_head._cpu_weight.kind == "native" and model.lm_head._cpu_weight.native.bits == 8
+    prompt = [504, 3458, 282, 260, 7140, 2986, 30, 1431, 315]
+
+    def run(lean: str):
+        monkeypatch.setenv("ROOFLM_CPU_LEAN", lean)
+        caches = allocate_kv_caches(cfg.num_hidden_layers, 4, 16, cfg.num_key_value_heads, cfg.head_dim)
+        done, new, ids, out = 0, len(prompt), list(prompt), []
+        with torch.inference_mode():
+            for _ in range(5):
+                meta, positions = build_attention_metadata([[0, 1, 2, 3]], [done], [new], 16)
+                logits = model.compute_logits(model(torch.tensor(ids), positions, caches, meta)[-1:])
+                out.append(logits)
+                ids = logits.argmax(-1).tolist()
+                done, new = done + new, 1
+        return out
+
+    lean, plain = run("on"), run("off")
+    for a, b in zip(lean, plain, strict=True):
+        assert torch.equal(a, b)
