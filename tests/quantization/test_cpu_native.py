@@ -4,6 +4,8 @@ activations quantized the same way), against the plain float product, across the
 compiled for, through its loader's fallbacks, and end to end on the default GGUF model."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -24,11 +26,15 @@ def lib():
     return load_library()
 
 
-def _weight(bits: int, group: int, n: int, k: int, with_min: bool, seed: int) -> PackedWeight:
+def _weight(bits: int, group: int, n: int, k: int, with_min: bool, seed: int, half: bool = False) -> PackedWeight:
+    """``half``: scales and mins rounded to float16 first, as GGUF stores them (the kernel then keeps them so)."""
     gen = torch.Generator().manual_seed(seed)
     pw = quantize_rtn(torch.randn(n, k, generator=gen), bits, group, dtype=torch.float32)
     if with_min:  # a min per group, as GGUF Q4_1 / Q4_K / Q5_K and zero-point codes have
         pw.mins = torch.randn(n, k // group, generator=gen) * 0.05
+    if half:
+        pw.scales = pw.scales.half().float()
+        pw.mins = None if pw.mins is None else pw.mins.half().float()
     return pw
 
 
@@ -47,11 +53,14 @@ FORMATS = [(4, 32, True), (4, 32, False), (4, 64, True), (4, 128, False), (8, 32
 
 @pytest.mark.parametrize("bits,group,with_min", FORMATS)
 @pytest.mark.parametrize("m", [1, 2, 5, 17])
-def test_matches_the_same_maths_in_float(lib, bits, group, with_min, m):
+@pytest.mark.parametrize("half", [False, True], ids=["f32-scales", "f16-scales"])
+def test_matches_the_same_maths_in_float(lib, bits, group, with_min, m, half):
     n, k = 75, 384  # 75 rows: not a multiple of the rows a thread takes at a time; 12 blocks of 32
-    pw = _weight(bits, group, n, k, with_min, seed=bits * 1000 + group + m)
+    pw = _weight(bits, group, n, k, with_min, seed=bits * 1000 + group + m, half=half)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
-    out = native_linear(x, pack_native(pw, lib))
+    nw = pack_native(pw, lib)
+    assert nw.scales.dtype == (torch.float16 if half else torch.float32)
+    out = native_linear(x, nw)
     assert out.shape == (m, n) and out.dtype == torch.float32
     ref = _same_maths(x, pw)
     # float32 accumulation of exact integer block products: float rounding only
@@ -93,8 +102,8 @@ def test_instruction_set_paths_agree(lib, tmp_path, monkeypatch, variant):
     other = load_library(VARIANTS[variant])
     if variant == "avx2" and native_build.isa_name(other) != "avx2":
         assert native_build.isa_name(lib) == native_build.isa_name(other)  # a machine without AVX2: both scalar
-    for bits, group, with_min in FORMATS:
-        pw = _weight(bits, group, 33, 384, with_min, seed=group + bits)
+    for (bits, group, with_min), half in itertools.product(FORMATS, (False, True)):
+        pw = _weight(bits, group, 33, 384, with_min, seed=group + bits, half=half)
         x = torch.randn(6, 384, generator=torch.Generator().manual_seed(group))
         a = native_linear(x, pack_native(pw, lib))
         b = native_linear(x, pack_native(pw, other))
@@ -124,6 +133,8 @@ def test_bad_input_is_refused(lib):
     nw = pack_native(_weight(4, 32, 8, 64, False, seed=0), lib)
     with pytest.raises(ValueError, match=r"expected \[M, 64\]"):
         native_linear(torch.randn(2, 96), nw)
+    with pytest.raises(ValueError, match="half=True"):
+        pack_native(_weight(4, 32, 8, 64, False, seed=0), lib, half=True)  # RTN's float32 scales
 
 
 def test_prepare_cpu_picks_the_native_kernel(lib, monkeypatch):

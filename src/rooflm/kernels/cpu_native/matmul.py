@@ -18,14 +18,16 @@ BLOCK = 32
 
 class _Weight(ctypes.Structure):
     _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
-                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("nb", ctypes.c_int64), ("bits", ctypes.c_int64)]
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("nb", ctypes.c_int64), ("bits", ctypes.c_int64),
+                ("f16", ctypes.c_int64)]
 
 
 @dataclass(eq=False)
 class NativeWeight:
     """A weight in the native kernel's layout: ``codes`` uint8 [N, nb * 16] (4 bits) or [N, nb * 32] (8 bits),
-    ``scales`` / ``mins`` float32 [N, nb] with nb the number of 32-column blocks rounded up to even; W = q * scale +
-    min per block (for 8 bits the stored code is q + 128)."""
+    ``scales`` / ``mins`` [N, nb] with nb the number of 32-column blocks rounded up to even; W = q * scale + min per
+    block (for 8 bits the stored code is q + 128). Scales and mins are float16 when that holds them exactly (GGUF's
+    block scales are float16: 20 bytes a block of Q4_1, as in the file), else float32."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -41,7 +43,7 @@ class NativeWeight:
         nb = self.scales.shape[1]
         self._struct = _Weight(self.codes.data_ptr(), self.scales.data_ptr(),
                                self.mins.data_ptr() if self.mins is not None else None, self.out_features,
-                               self.in_features, nb, self.bits)
+                               self.in_features, nb, self.bits, int(self.scales.dtype == torch.float16))
         self._ref = ctypes.byref(self._struct)
 
     @property
@@ -61,8 +63,13 @@ def _blocks(t: torch.Tensor, group_size: int, nb: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, nb - t.shape[1])).contiguous()
 
 
-def pack_native(pw: PackedWeight, lib: ctypes.CDLL) -> NativeWeight:
-    """Repack ``pw`` (column order as stored: a ``perm`` is applied to the input by the caller)."""
+def _exact_half(t: torch.Tensor | None) -> bool:
+    return t is None or torch.equal(t.half().float(), t)
+
+
+def pack_native(pw: PackedWeight, lib: ctypes.CDLL, half: bool | None = None) -> NativeWeight:
+    """Repack ``pw`` (column order as stored: a ``perm`` is applied to the input by the caller). ``half``: store
+    scales and mins as float16 (None: when that is exact; True where it is not raises ValueError)."""
     if not native_supports(pw):
         raise ValueError(f"the native kernel takes 4- or 8-bit codes with groups of a multiple of 32 columns and "
                          f"in_features a multiple of 32 on the CPU, got bits={pw.bits}, group_size={pw.group_size}, "
@@ -77,8 +84,14 @@ def pack_native(pw: PackedWeight, lib: ctypes.CDLL) -> NativeWeight:
         packed = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, nb * BLOCK // 2)
     else:
         packed = (q + 128).to(torch.uint8)
+    scales = _blocks(pw.scales, pw.group_size, nb)
     mins = _blocks(pw.mins, pw.group_size, nb) if pw.mins is not None else None
-    return NativeWeight(packed.contiguous(), _blocks(pw.scales, pw.group_size, nb), mins, pw.bits, n, k, lib)
+    exact = _exact_half(scales) and _exact_half(mins)
+    if half and not exact:
+        raise ValueError("half=True: the scales or mins of this weight are not exact in float16")
+    if exact if half is None else half:
+        scales, mins = scales.half(), None if mins is None else mins.half()
+    return NativeWeight(packed.contiguous(), scales, mins, pw.bits, n, k, lib)
 
 
 def native_linear(x: torch.Tensor, w: NativeWeight, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -40,7 +40,7 @@
 
 #if !defined(QMM_FORCE_SCALAR) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define QMM_ISA 2
-#elif !defined(QMM_FORCE_SCALAR) && defined(__AVX2__) && defined(__FMA__)
+#elif !defined(QMM_FORCE_SCALAR) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QMM_ISA 1
 #else
 #define QMM_ISA 0
@@ -53,12 +53,39 @@
 
 typedef struct {
     const uint8_t *codes;
-    const float *scales;
-    const float *mins; /* NULL: no min term */
-    int64_t n, k;      /* output rows, input columns (k % 32 == 0) */
-    int64_t nb;        /* blocks per row, padded to even */
-    int64_t bits;      /* 4 or 8 */
+    const void *scales; /* float32, or float16 when f16 */
+    const void *mins;   /* as scales; NULL: no min term */
+    int64_t n, k;       /* output rows, input columns (k % 32 == 0) */
+    int64_t nb;         /* blocks per row, padded to even */
+    int64_t bits;       /* 4 or 8 */
+    int64_t f16;        /* scales and mins stored as IEEE half (exact for GGUF's fp16 block scales) */
 } qmm_weight;
+
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man) { /* subnormal: normalise */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3FF) << 13);
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* scale or min i of a row, either storage */
+static inline __attribute__((always_inline)) float ld(const void *p, int64_t i, const int f16) {
+    return f16 ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
 
 int qmm_isa(void) { return QMM_ISA; }
 
@@ -83,7 +110,8 @@ static int grow(size_t nq) {
     return 0;
 }
 
-static void quantize_block(const float *x, int valid, int8_t *q, float *d, float *c, float *dv, int32_t *corr) {
+static void quantize_block(const float *x, int valid, int odd, int8_t *q, float *d, float *c, float *dv,
+                           int32_t *corr) {
     float amax = 0.f;
     for (int i = 0; i < valid; i++) amax = fmaxf(amax, fabsf(x[i]));
     float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
@@ -95,41 +123,58 @@ static void quantize_block(const float *x, int valid, int8_t *q, float *d, float
     }
     *d = dd;
     *c = dd * (float)sum;
+#if QMM_ISA == 2
+    /* the AVX512 path masks a 4-bit pair's odd block in place (16 q) instead of shifting it: 1/16 is exact */
+    const float dodd = odd ? dd / 16.f : dd;
+#else
+    const float dodd = dd;
+    (void)odd;
+#endif
     for (int j = 0; j < 8; j++) {
-        dv[j] = dd;
+        dv[j] = dodd;
         corr[j] = -128 * (q[4 * j] + q[4 * j + 1] + q[4 * j + 2] + q[4 * j + 3]);
     }
 }
 
-static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t nb) {
+static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t nb, int odd16) {
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < nb; b++) {
             int64_t i = r * nb + b;
             int valid = b * BLK < k ? BLK : 0;
-            quantize_block(x + r * k + b * BLK, valid, s_qx + i * BLK, s_d + i, s_c + i, s_dv + i * 8, s_corr + i * 8);
+            quantize_block(x + r * k + b * BLK, valid, odd16 && (b & 1), s_qx + i * BLK, s_d + i, s_c + i, s_dv + i * 8, s_corr + i * 8);
         }
 }
 
 /* ---- one output row against a tile of mt activation rows ---- */
 #if QMM_ISA == 2
+/* the pair (2p, 2p + 1) of a row's scales or mins as [s0 x 8, s1 x 8] */
+static inline __attribute__((always_inline)) __m512 pair_vec(const void *p, int64_t i, const int f16) {
+    const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 v;
+    if (f16)
+        v = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_loadu_si32((const uint16_t *)p + i)));
+    else
+        v = _mm512_maskz_loadu_ps(3, (const float *)p + i);
+    return _mm512_permutexvar_ps(pick, v);
+}
+
 static inline __attribute__((always_inline)) void row_tile(const qmm_weight *w, int64_t n, int64_t m0, const int mt,
-                                                           float *out) {
+                                                           const int f16, float *out) {
     const int64_t nb = w->nb, np = nb / 2;
-    const float *ws = w->scales + n * nb;
     __m512 acc[MT_MAX];
     for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
-    const __m512i lo4 = _mm512_set1_epi8(0x0F);
-    const __m512i shifts = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
-    const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    /* a pair's 32 bytes twice: the low nibbles give block 2p, the high ones 16 x block 2p + 1 (its activation
+     * scale carries the 1/16), with one AND and no shift */
+    const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8((char)0xF0), 1);
     const int8_t *qx = s_qx + m0 * nb * BLK;
     const float *dv = s_dv + m0 * nb * 8;
     const int32_t *corr = s_corr + m0 * nb * 8;
     if (w->bits == 4) {
         const uint8_t *wc = w->codes + n * nb * 16;
         for (int64_t p = 0; p < np; p++) {
-            __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(wc + p * 32)));
-            __m512i q = _mm512_and_si512(_mm512_srlv_epi64(v, shifts), lo4);
-            __m512 sw = _mm512_permutexvar_ps(pick, _mm512_maskz_loadu_ps(3, ws + 2 * p));
+            __m512i q = _mm512_and_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(wc + p * 32))),
+                                         nib);
+            __m512 sw = pair_vec(w->scales, n * nb + 2 * p, f16);
             for (int i = 0; i < mt; i++) {
                 __m512i xi = _mm512_loadu_si512(qx + i * nb * BLK + p * 64);
                 __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xi);
@@ -141,7 +186,7 @@ static inline __attribute__((always_inline)) void row_tile(const qmm_weight *w, 
         const uint8_t *wc = w->codes + n * nb * 32;
         for (int64_t p = 0; p < np; p++) {
             __m512i q = _mm512_loadu_si512(wc + p * 64);
-            __m512 sw = _mm512_permutexvar_ps(pick, _mm512_maskz_loadu_ps(3, ws + 2 * p));
+            __m512 sw = pair_vec(w->scales, n * nb + 2 * p, f16);
             for (int i = 0; i < mt; i++) {
                 __m512i xi = _mm512_loadu_si512(qx + i * nb * BLK + p * 64);
                 __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(corr + i * nb * 8 + p * 16), q, xi);
@@ -151,10 +196,10 @@ static inline __attribute__((always_inline)) void row_tile(const qmm_weight *w, 
         }
     }
     if (w->mins) {
-        const float *wm = w->mins + n * nb;
         for (int64_t b = 0; b < nb; b += 16) {
             __mmask16 k = nb - b >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - b)) - 1);
-            __m512 mv = _mm512_maskz_loadu_ps(k, wm + b);
+            __m512 mv = f16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)w->mins + n * nb + b))
+                            : _mm512_maskz_loadu_ps(k, (const float *)w->mins + n * nb + b);
             for (int i = 0; i < mt; i++)
                 acc[i] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, s_c + (m0 + i) * nb + b), acc[i]);
         }
@@ -173,9 +218,8 @@ static inline __attribute__((always_inline)) __m256 block_dot(__m256i q, __m256i
 }
 
 static inline __attribute__((always_inline)) void row_tile(const qmm_weight *w, int64_t n, int64_t m0, const int mt,
-                                                           float *out) {
+                                                           const int f16, float *out) {
     const int64_t nb = w->nb;
-    const float *ws = w->scales + n * nb;
     __m256 acc[MT_MAX];
     for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
@@ -191,12 +235,13 @@ static inline __attribute__((always_inline)) void row_tile(const qmm_weight *w, 
             q0 = _mm256_loadu_si256((const __m256i *)(w->codes + n * nb * 32 + b * 32));
             q1 = _mm256_loadu_si256((const __m256i *)(w->codes + n * nb * 32 + b * 32 + 32));
         }
+        const float s0 = ld(w->scales, n * nb + b, f16), s1 = ld(w->scales, n * nb + b + 1, f16);
         for (int i = 0; i < mt; i++) {
             const int8_t *xi = qx + i * nb * BLK + b * BLK;
             __m256 p0 = block_dot(q0, _mm256_loadu_si256((const __m256i *)xi), (int)w->bits);
             __m256 p1 = block_dot(q1, _mm256_loadu_si256((const __m256i *)(xi + BLK)), (int)w->bits);
-            acc[i] = _mm256_fmadd_ps(p0, _mm256_set1_ps(ws[b] * d[i * nb + b]), acc[i]);
-            acc[i] = _mm256_fmadd_ps(p1, _mm256_set1_ps(ws[b + 1] * d[i * nb + b + 1]), acc[i]);
+            acc[i] = _mm256_fmadd_ps(p0, _mm256_set1_ps(s0 * d[i * nb + b]), acc[i]);
+            acc[i] = _mm256_fmadd_ps(p1, _mm256_set1_ps(s1 * d[i * nb + b + 1]), acc[i]);
         }
     }
     for (int i = 0; i < mt; i++) {
@@ -205,7 +250,7 @@ static inline __attribute__((always_inline)) void row_tile(const qmm_weight *w, 
         s = _mm_add_ss(s, _mm_movehdup_ps(s));
         float r = _mm_cvtss_f32(s);
         if (w->mins)
-            for (int64_t b = 0; b < nb; b++) r += w->mins[n * nb + b] * s_c[(m0 + i) * nb + b];
+            for (int64_t b = 0; b < nb; b++) r += ld(w->mins, n * nb + b, f16) * s_c[(m0 + i) * nb + b];
         out[i] = r;
     }
 }
@@ -214,7 +259,7 @@ static inline __attribute__((always_inline)) void row_tile(const qmm_weight *w, 
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("no-tree-vectorize")))
 #endif
-static inline void row_tile(const qmm_weight *w, int64_t n, int64_t m0, const int mt, float *out) {
+static inline void row_tile(const qmm_weight *w, int64_t n, int64_t m0, const int mt, const int f16, float *out) {
     const int64_t nb = w->nb;
     for (int i = 0; i < mt; i++) {
         const int8_t *qx = s_qx + (m0 + i) * nb * BLK;
@@ -230,8 +275,8 @@ static inline void row_tile(const qmm_weight *w, int64_t n, int64_t m0, const in
                 const uint8_t *c = w->codes + n * nb * 32 + b * 32;
                 for (int j = 0; j < BLK; j++) dot += ((int)c[j] - 128) * xb[j];
             }
-            r += w->scales[n * nb + b] * s_d[(m0 + i) * nb + b] * (float)dot;
-            if (w->mins) r += w->mins[n * nb + b] * s_c[(m0 + i) * nb + b];
+            r += ld(w->scales, n * nb + b, f16) * s_d[(m0 + i) * nb + b] * (float)dot;
+            if (w->mins) r += ld(w->mins, n * nb + b, f16) * s_c[(m0 + i) * nb + b];
         }
         out[i] = r;
     }
@@ -243,15 +288,22 @@ static void rows(const qmm_weight *w, int64_t m, float *y, int64_t n0, int64_t n
     for (int64_t n = n0; n < n1; n++)
         for (int64_t m0 = 0; m0 < m; m0 += MT_MAX) {
             int64_t mt = m - m0 < MT_MAX ? m - m0 : MT_MAX;
-            switch (mt) { /* constant tile sizes: the compiler keeps the accumulators in registers */
-            case 1: row_tile(w, n, m0, 1, out); break;
-            case 2: row_tile(w, n, m0, 2, out); break;
-            case 3: row_tile(w, n, m0, 3, out); break;
-            case 4: row_tile(w, n, m0, 4, out); break;
-            case 5: row_tile(w, n, m0, 5, out); break;
-            case 6: row_tile(w, n, m0, 6, out); break;
-            case 7: row_tile(w, n, m0, 7, out); break;
-            default: row_tile(w, n, m0, 8, out); break;
+            /* constant tile sizes and scale storage: the compiler keeps the accumulators in registers */
+#define QMM_TILES(F16)                                     \
+    switch (mt) {                                          \
+    case 1: row_tile(w, n, m0, 1, F16, out); break;        \
+    case 2: row_tile(w, n, m0, 2, F16, out); break;        \
+    case 3: row_tile(w, n, m0, 3, F16, out); break;        \
+    case 4: row_tile(w, n, m0, 4, F16, out); break;        \
+    case 5: row_tile(w, n, m0, 5, F16, out); break;        \
+    case 6: row_tile(w, n, m0, 6, F16, out); break;        \
+    case 7: row_tile(w, n, m0, 7, F16, out); break;        \
+    default: row_tile(w, n, m0, 8, F16, out); break;       \
+    }
+            if (w->f16) {
+                QMM_TILES(1)
+            } else {
+                QMM_TILES(0)
             }
             for (int64_t i = 0; i < mt; i++) y[(m0 + i) * w->n + n] = out[i];
         }
@@ -346,7 +398,7 @@ int qmm_matmul(const qmm_weight *w, const float *x, float *y, int64_t m, int nth
         pthread_mutex_unlock(&call_mu);
         return -1;
     }
-    quantize_rows(x, m, w->k, w->nb);
+    quantize_rows(x, m, w->k, w->nb, w->bits == 4);
     int64_t nchunks = (w->n + ROWS_CHUNK - 1) / ROWS_CHUNK;
     int workers = nthreads - 1;
     if (workers > nchunks - 1) workers = (int)(nchunks - 1);
