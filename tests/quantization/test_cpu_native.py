@@ -23,7 +23,7 @@ VARIANTS = {"native": (), "avx2": ("-mno-avx512f",), "scalar": ("-DQMM_FORCE_SCA
 
 @pytest.fixture(scope="module")
 def lib():
-    return load_library()
+    return load_library(native_build.default_flags())  # the build the CPU path uses
 
 
 def _weight(bits: int, group: int, n: int, k: int, with_min: bool, seed: int, half: bool = False) -> PackedWeight:
@@ -110,9 +110,12 @@ def test_instruction_set_paths_agree(lib, tmp_path, monkeypatch, variant):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * a.abs().max().item())
 
 
-def test_threads_split_the_rows_without_changing_the_result(lib):
+@pytest.mark.parametrize("pool", ["default", "own-pool"])
+def test_threads_split_the_rows_without_changing_the_result(lib, pool):
+    """On torch's OpenMP threads (where torch uses libgomp) or the library's own pthread pool (a build without
+    -fopenmp): every row is one thread's work, so the bits do not depend on the thread count."""
     pw = _weight(4, 32, 1000, 256, True, seed=5)
-    nw = pack_native(pw, lib)
+    nw = pack_native(pw, lib if pool == "default" else load_library())
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(2))
     threads = torch.get_num_threads()
     try:

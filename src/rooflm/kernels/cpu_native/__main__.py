@@ -29,11 +29,11 @@ def _uptime() -> str:
 
 def _forms(model):
     """(name, torch form, native form) of every quantized projection of ``model``, in layer order."""
-    from rooflm.kernels.cpu_native import load_library, native_supports, pack_native
+    from rooflm.kernels.cpu_native import default_flags, load_library, native_supports, pack_native
     from rooflm.kernels.cpu_quant import prepare_cpu
     from rooflm.layers.linear import QuantizableMixin
 
-    lib = load_library()
+    lib = load_library(default_flags())
     old = os.environ.get("ROOFLM_CPU_NATIVE")
     os.environ["ROOFLM_CPU_NATIVE"] = "off"
     try:
@@ -104,14 +104,13 @@ def bench_decode(model_path: str | None, pairs: int, tokens: int) -> None:
     short = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     long = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
 
-    def rate(llm) -> float:
+    for llm in llms.values():  # warm up (first-call allocations, the thread pool)
         llm.generate([prompt], short, use_tqdm=False)
+
+    def rate(llm) -> float:  # the prompt's prefill is one step of a few tokens: left in
         t0 = time.perf_counter()
-        llm.generate([prompt], short, use_tqdm=False)
-        t1 = time.perf_counter()
         llm.generate([prompt], long, use_tqdm=False)
-        t2 = time.perf_counter()
-        return tokens / ((t2 - t1) - (t1 - t0))
+        return tokens / (time.perf_counter() - t0)
 
     for i in range(pairs):
         r = {mode: rate(llm) for mode, llm in llms.items()}
@@ -129,9 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-tokens", type=int, default=64, help="decoded tokens per run (default 64)")
     p.add_argument("--skip-layers", action="store_true", help="only the decode A/B")
     args = p.parse_args(argv)
-    from rooflm.kernels.cpu_native import isa_name, load_library
+    from rooflm.kernels.cpu_native import default_flags, isa_name, load_library
 
-    print(f"native kernel: {isa_name(load_library())}; torch {torch.__version__}")
+    flags = default_flags()
+    print(f"native kernel: {isa_name(load_library(flags))}, threads: {'OpenMP (torch)' if flags else 'own pool'}; "
+          f"torch {torch.__version__}")
     if not args.skip_layers:
         bench_layers(args.model, [int(v) for v in args.rows.split(",")], [int(v) for v in args.threads.split(",")],
                      args.repeats)

@@ -24,7 +24,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCE = "qmm.c"
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")  # + default_flags()
 MODES = ("auto", "on", "off")
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
 
@@ -61,6 +61,24 @@ def _source_text() -> bytes:
 def _compiler_version(cc: str) -> str:
     out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60, check=True)
     return out.stdout.strip()
+
+
+def torch_openmp_is_libgomp() -> bool:
+    """True when the OpenMP runtime loaded in this process (torch's) is GNU libgomp: a library built with
+    ``-fopenmp`` then binds to that same runtime (same soname, already loaded) and shares torch's threads."""
+    import torch  # noqa: F401  (loads its OpenMP runtime)
+
+    try:
+        with open("/proc/self/maps") as f:
+            names = {line.rsplit("/", 1)[-1].strip() for line in f if "omp" in line}
+    except OSError:
+        return False
+    return "libgomp.so.1" in names and not any(n.startswith(("libiomp", "libomp")) for n in names)
+
+
+def default_flags() -> tuple[str, ...]:
+    """Extra flags of the library the CPU path uses: ``-fopenmp`` where torch runs on libgomp."""
+    return ("-fopenmp",) if torch_openmp_is_libgomp() else ()
 
 
 def build_library(extra_flags: tuple[str, ...] = ()) -> Path:
@@ -132,11 +150,11 @@ def native_library() -> ctypes.CDLL | None:
     if mode == "off":
         return None
     try:
-        return load_library()
+        return load_library(default_flags())
     except NativeBuildError as e:
         if mode == "on":
             raise
-        if () not in _libs and not getattr(native_library, "_logged", False):
+        if not getattr(native_library, "_logged", False):
             native_library._logged = True  # type: ignore[attr-defined]
             logger.warning("native CPU quantized matmul unavailable, using torch's kernels: %s", e)
         return None

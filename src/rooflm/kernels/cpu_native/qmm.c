@@ -20,15 +20,18 @@
  * integer dot product stays exact.
  *
  * Instruction sets, chosen at compile time from -march: AVX512-VNNI (two blocks per 512-bit vpdpbusd), AVX2
- * (vpmaddubsw + vpmaddwd per block) and portable C. Rows are spread over a small persistent thread pool; its workers
- * spin briefly after a call (a decode step makes about a hundred calls a few microseconds apart) and then sleep on a
- * condition variable, so they do not compete with torch's own threads between steps.
+ * (vpmaddubsw + vpmaddwd per block) and portable C. Rows are spread over threads in chunks: compiled with -fopenmp
+ * (the loader does so when torch's own runtime is GNU libgomp, which this library then shares), on torch's OpenMP
+ * threads; else on a small persistent pthread pool whose workers spin briefly after a call (a decode step makes about
+ * a hundred calls a few microseconds apart), yielding their core, and then sleep on a condition variable. A second
+ * set of spinning threads beside torch's would take turns with them for the two cores of a small machine.
  */
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <sched.h>
 #include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -44,6 +47,12 @@
 #define QMM_ISA 1
 #else
 #define QMM_ISA 0
+#endif
+
+#ifdef _OPENMP
+#define USE_OPENMP 1
+#else
+#define USE_OPENMP 0
 #endif
 
 #define BLK 32
@@ -309,22 +318,26 @@ static void rows(const qmm_weight *w, int64_t m, float *y, int64_t n0, int64_t n
         }
 }
 
-/* ---- thread pool ---- */
+/* ---- thread pool ----
+ * A call publishes its rows as chunks and opens the job; workers that wake while it is open take chunks, and the
+ * caller takes them too. When every chunk is taken the caller closes the job and waits only for the workers still
+ * inside it: a worker that did not get a core in time (two cores shared with torch's threads) is never waited for. */
 static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t sleep_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t sleep_cv = PTHREAD_COND_INITIALIZER;
 static int pool_size;           /* worker threads started */
 static atomic_uint gen;         /* bumped once per parallel call */
 static atomic_int sleepers;     /* workers waiting on sleep_cv */
+static atomic_int open_job;     /* 1 while the current call's chunks may be taken */
+static atomic_int inside;       /* workers inside the current call */
 static atomic_long next_chunk;  /* next chunk of output rows to take */
-static atomic_int done;         /* workers finished with the current call */
-static int spin_iters = 20000;  /* pause instructions a worker spins before sleeping */
+static int spin_iters = 4000;   /* polls a worker makes before sleeping; it yields its core every 16 */
 static struct {
     const qmm_weight *w;
     int64_t m;
     float *y;
     int64_t nchunks;
-    int active; /* workers that take rows in this call; the others only acknowledge it */
+    int active; /* workers that may take rows in this call */
 } job;
 
 static void take_chunks(void) {
@@ -346,7 +359,10 @@ static void *worker(void *arg) {
         int spins = 0;
         while ((g = atomic_load(&gen)) == seen) {
             if (spins++ < spin_iters) {
-                QMM_PAUSE();
+                if (spins % 16)
+                    QMM_PAUSE();
+                else
+                    sched_yield(); /* let a runnable thread (torch's) have this core */
                 continue;
             }
             pthread_mutex_lock(&sleep_mu);
@@ -356,8 +372,9 @@ static void *worker(void *arg) {
             pthread_mutex_unlock(&sleep_mu);
         }
         seen = g;
-        if (id < job.active) take_chunks();
-        atomic_fetch_add(&done, 1);
+        atomic_fetch_add(&inside, 1);
+        if (atomic_load(&open_job) && id < job.active) take_chunks();
+        atomic_fetch_sub(&inside, 1);
     }
     return NULL;
 }
@@ -368,6 +385,8 @@ static void reset_after_fork(void) { /* the child has none of the parent's worke
     pthread_mutex_init(&sleep_mu, NULL);
     pthread_cond_init(&sleep_cv, NULL);
     atomic_store(&sleepers, 0);
+    atomic_store(&inside, 0);
+    atomic_store(&open_job, 0);
 }
 
 static void grow_pool(int want) {
@@ -402,14 +421,23 @@ int qmm_matmul(const qmm_weight *w, const float *x, float *y, int64_t m, int nth
     int64_t nchunks = (w->n + ROWS_CHUNK - 1) / ROWS_CHUNK;
     int workers = nthreads - 1;
     if (workers > nchunks - 1) workers = (int)(nchunks - 1);
-    if (workers > 0) grow_pool(workers);
-    if (workers > pool_size) workers = pool_size;
+    if (workers > 0 && !USE_OPENMP) grow_pool(workers);
+    if (!USE_OPENMP && workers > pool_size) workers = pool_size;
     if (workers <= 0) {
         rows(w, m, y, 0, w->n);
+    } else if (USE_OPENMP) {
+#ifdef _OPENMP
+        /* built against the OpenMP runtime torch already loaded: its threads, no second pool */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(workers + 1)
+        for (int64_t c = 0; c < nchunks; c++) {
+            int64_t n0 = c * ROWS_CHUNK, n1 = n0 + ROWS_CHUNK < w->n ? n0 + ROWS_CHUNK : w->n;
+            rows(w, m, y, n0, n1);
+        }
+#endif
     } else {
         job.w = w; job.m = m; job.y = y; job.nchunks = nchunks; job.active = workers;
         atomic_store(&next_chunk, 0);
-        atomic_store(&done, 0);
+        atomic_store(&open_job, 1);
         atomic_fetch_add(&gen, 1);
         if (atomic_load(&sleepers) > 0) {
             pthread_mutex_lock(&sleep_mu);
@@ -417,7 +445,8 @@ int qmm_matmul(const qmm_weight *w, const float *x, float *y, int64_t m, int nth
             pthread_mutex_unlock(&sleep_mu);
         }
         take_chunks();
-        while (atomic_load(&done) < pool_size) QMM_PAUSE();
+        atomic_store(&open_job, 0);
+        while (atomic_load(&inside) > 0) QMM_PAUSE(); /* only workers that are taking rows of this call */
     }
     pthread_mutex_unlock(&call_mu);
     return 0;
