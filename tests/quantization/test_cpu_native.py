@@ -271,3 +271,21 @@ def test_default_model_lean_and_module_paths_agree_with_native_kernel(monkeypatc
     lean, plain = run("on"), run("off")
     for a, b in zip(lean, plain, strict=True):
         assert torch.equal(a, b)
+
+
+def test_concurrent_builds_of_one_key_end_with_one_complete_library(monkeypatch, tmp_path):
+    """Builders racing on an empty cache each compile to a private name and rename: every one returns the same
+    path, and the file there loads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    flags = ("-DQMM_FORCE_SCALAR", "-DQMM_RACE_TEST")
+    with ThreadPoolExecutor(3) as pool:
+        paths = list(pool.map(lambda _: native_build.build_library(flags), range(3)))
+    assert len(set(paths)) == 1
+    assert [p.name for p in (tmp_path / "rooflm").iterdir()] == [paths[0].name]
+    native_build.reset_cache_state()
+    try:
+        assert native_build.isa_name(load_library(flags)) == "scalar"
+    finally:
+        native_build.reset_cache_state()

@@ -12,6 +12,7 @@ log line) when it does not; ``on`` raises when it cannot be built; ``off`` never
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -63,6 +64,7 @@ def _compiler_version(cc: str) -> str:
     return out.stdout.strip()
 
 
+@functools.lru_cache(maxsize=1)
 def torch_openmp_is_libgomp() -> bool:
     """True when the OpenMP runtime loaded in this process (torch's) is GNU libgomp: a library built with
     ``-fopenmp`` then binds to that same runtime (same soname, already loaded) and shares torch's threads."""
