@@ -10,9 +10,15 @@ import pytest
 import torch
 
 from rooflm.kernels import cpu_native
+from rooflm.kernels.cpu_native import (
+    NativeBuildError,
+    load_library,
+    native_linear,
+    native_supports,
+    pack_native,
+    quantize_activations_reference,
+)
 from rooflm.kernels.cpu_native import build as native_build
-from rooflm.kernels.cpu_native import (NativeBuildError, load_library, native_linear, native_supports, pack_native,
-                                       quantize_activations_reference)
 from rooflm.kernels.cpu_quant import prepare_cpu, quant_linear_cpu
 from rooflm.quantization.packed import PackedWeight, dequantize
 from rooflm.quantization.rtn import quantize_rtn
@@ -245,7 +251,10 @@ def test_default_model_perplexity_with_native_kernel(monkeypatch, default_model_
 
 @pytest.mark.slow
 def test_default_model_lean_and_module_paths_agree_with_native_kernel(monkeypatch, default_model_path):
-    from rooflm.attention.metadata_utils import allocate_kv_caches, build_attention_metadata
+    from rooflm.attention.metadata_utils import (
+        allocate_kv_caches,
+        build_attention_metadata,
+    )
     from rooflm.loader import load_model
 
     monkeypatch.setenv("ROOFLM_CPU_NATIVE", "on")

@@ -37,7 +37,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rooflm.kernels.cpu_native import NativeWeight, native_library, native_linear, native_supports, pack_native
+from rooflm.kernels.cpu_native import (
+    NativeWeight,
+    native_library,
+    native_linear,
+    native_supports,
+    pack_native,
+)
 from rooflm.quantization.packed import PackedWeight, codes, dequantize
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)

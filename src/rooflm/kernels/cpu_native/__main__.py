@@ -29,7 +29,12 @@ def _uptime() -> str:
 
 def _forms(model):
     """(name, torch form, native form) of every quantized projection of ``model``, in layer order."""
-    from rooflm.kernels.cpu_native import default_flags, load_library, native_supports, pack_native
+    from rooflm.kernels.cpu_native import (
+        default_flags,
+        load_library,
+        native_supports,
+        pack_native,
+    )
     from rooflm.kernels.cpu_quant import prepare_cpu
     from rooflm.layers.linear import QuantizableMixin
 

@@ -107,7 +107,7 @@ def build_library(extra_flags: tuple[str, ...] = ()) -> Path:
         so_tmp = Path(tmp) / target.name
         cmd = [cc, *flags, "-o", str(so_tmp), str(c_path), "-lm"]
         try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
         except (OSError, subprocess.SubprocessError) as e:
             raise NativeBuildError(f"{' '.join(cmd)} failed: {e}") from e
         if res.returncode != 0:
