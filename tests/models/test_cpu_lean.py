@@ -33,7 +33,14 @@ def _load(tmp_path_factory, quantization: str, **overrides):
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    return {q: _load(tmp_path_factory, q) for q in ("w4a16", "w8a16", "none")}
+    """Quantized projections on the native kernel (``rooflm.kernels.cpu_native``, the default where it builds) and,
+    as ``"w4a16-torch"``, on torch's int4 kernel (``ROOFLM_CPU_NATIVE=off`` when the weights are prepared)."""
+    models = {q: _load(tmp_path_factory, q) for q in ("w4a16", "w8a16", "none")}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ROOFLM_CPU_NATIVE", "off")
+        models["w4a16-torch"] = _load(tmp_path_factory, "w4a16")
+    assert models["w4a16-torch"][0].model.layers[0].mlp.down_proj._cpu_weight.kind == "int4"
+    return models
 
 
 def _greedy(model, cfg, tables: list[list[int]], prompts: list[list[int]], steps: int):
@@ -83,7 +90,7 @@ def _assert_identical(lean, plain) -> None:
         assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max().item():.3g}"
 
 
-@pytest.mark.parametrize("quantization", ["w4a16", "w8a16", "none"])
+@pytest.mark.parametrize("quantization", ["w4a16", "w8a16", "none", "w4a16-torch"])
 @pytest.mark.parametrize("tables", [[[0, 1, 2, 3, 4]], [[6, 2, 9, 0, 4]]], ids=["consecutive", "scattered"])
 def test_one_sequence_matches_module_path(monkeypatch, tiny_models, quantization, tables) -> None:
     model, cfg = tiny_models[quantization]

@@ -68,8 +68,9 @@ def test_logits_match_transformers(ours, hf, tokenizer, prompt: str) -> None:
 
 
 def test_kept_quantized_model_reads_fewer_bytes_and_agrees_with_dequantized(ours, kept, tokenizer) -> None:
-    """Same weights, one kept in its blocks: the logits agree within the bfloat16 rounding of the CPU kernels'
-    activations, the greedy continuation is the same, and the projections read a quarter of the float bytes."""
+    """Same weights, one kept in its blocks: the logits agree within the rounding of the CPU kernels' activations
+    (int8 per block of 32 on the native kernel, as llama.cpp; bfloat16 on torch's), the greedy continuation is the
+    same, and the projections read a quarter of the float bytes."""
     from rooflm.quantization.apply import projection_weight_bytes
 
     (model, cfg), (qmodel, _) = ours, kept
@@ -78,8 +79,8 @@ def test_kept_quantized_model_reads_fewer_bytes_and_agrees_with_dequantized(ours
     out = PagedRunner(qmodel, cfg, len(ids), block_size=16).step(ids)
     assert qmodel.lm_head.quantized and qmodel.model.layers[0].self_attn.qkv_proj.quantized
     rel = ((out - ref).norm() / ref.norm()).item()
-    # bfloat16 activations through 30 layers (llama.cpp rounds them to 8 bits): a few percent, never more
-    assert 1e-6 < rel < 4e-2, rel
+    # 8-bit (native kernel) or bfloat16 activations through 30 layers: a few percent, never more
+    assert 1e-6 < rel < 6e-2, rel
     assert torch.equal(out[-1].topk(3).indices, ref[-1].topk(3).indices)
     assert projection_weight_bytes(qmodel)[0] < 0.25 * projection_weight_bytes(model)[0]
 

@@ -1,10 +1,16 @@
-"""torch's CPU integer kernels against the reference matmul, for every form ``prepare_cpu`` picks."""
+"""torch's CPU integer kernels against the reference matmul, for every form ``prepare_cpu`` picks (the native
+kernel, which takes most of these weights when it builds, is switched off here: tests/kernels/test_cpu_native.py)."""
 import pytest
 import torch
 
 from rooflm.kernels.cpu_quant import prepare_cpu, quant_linear_cpu
 from rooflm.quantization.packed import PackedWeight, dequantize, quant_linear_reference
 from rooflm.quantization.rtn import quantize_rtn
+
+
+@pytest.fixture(autouse=True)
+def _torch_kernels(monkeypatch):
+    monkeypatch.setenv("ROOFLM_CPU_NATIVE", "off")
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

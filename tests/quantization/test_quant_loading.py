@@ -23,7 +23,9 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.mark.parametrize("method,bits,tol", [("w8a16", 8, 0.02), ("w4a16", 4, 0.25)])
+# 0.03 / 0.3: the CPU path's native kernel also rounds the activations to 8 bits per block of 32 (llama.cpp's
+# scheme); with torch's kernels (ROOFLM_CPU_NATIVE=off) 0.02 / 0.25 hold
+@pytest.mark.parametrize("method,bits,tol", [("w8a16", 8, 0.03), ("w4a16", 4, 0.3)])
 def test_rtn_at_load_is_close_to_float_and_packs_every_projection(tiny_checkpoint, logits_of, ids, method, bits,
                                                                    tol):
     ref_model, cfg = load_model(str(tiny_checkpoint), show_progress=False)

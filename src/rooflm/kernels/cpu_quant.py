@@ -21,6 +21,11 @@ they fall back to scalar loops that are 10-50x slower on this project's test mac
 - anything else (groups of 16 such as GGUF Q6_K, an output size that is not a multiple of 16): dequantized once to
   bfloat16 and multiplied with ``F.linear``.
 
+Before all of these, when the native kernel (``rooflm.kernels.cpu_native``: 4- and 8-bit codes in groups of a
+multiple of 32, activations quantized to int8 per block of 32 as llama.cpp does) builds on this machine and
+``ROOFLM_CPU_NATIVE`` is not ``off``, a weight it takes goes to it instead (kind ``"native"``): it reads the weights
+once for all the rows of a call, where torch's int4 kernel costs about proportionally to the rows.
+
 Activations are cast to bfloat16 for the product and the result back to the caller's dtype, so a float32 model keeps
 its residual stream in float32. bfloat16 keeps 8 significant bits: the logits of a quantized LM head carry an error
 of about 0.4% of their magnitude (the perplexity table in docs/quantization.md measures the effect).
@@ -32,6 +37,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rooflm.kernels.cpu_native import (
+    NativeWeight,
+    native_library,
+    native_linear,
+    native_supports,
+    pack_native,
+)
 from rooflm.quantization.packed import PackedWeight, codes, dequantize
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -42,16 +54,19 @@ COMPUTE_DTYPE = torch.bfloat16
 class CpuQuantWeight:
     """A weight in the form one of torch's CPU kernels reads (see the module docstring)."""
 
-    kind: str  # "int4" | "int8" | "dense"
+    kind: str  # "native" | "int4" | "int8" | "dense"
     weight: torch.Tensor  # int4: torch's packed tensor; int8: int8 [N, K]; dense: bf16 [N, K]
     scales: torch.Tensor | None  # int4: bf16 [K / group, rows, 2] (scale, zero); int8: bf16 [N]; dense: None
     group_size: int
     out_features: int
     split: bool = False  # int8 codes run as two int4 halves stacked on the output rows
     perm: torch.Tensor | None = None
+    native: NativeWeight | None = None  # kind "native": the weight in the native kernel's layout
 
     @property
     def nbytes(self) -> int:
+        if self.native is not None:
+            return self.native.nbytes
         return sum(t.numel() * t.element_size() for t in (self.weight, self.scales) if t is not None)
 
 
@@ -69,6 +84,10 @@ def prepare_cpu(pw: PackedWeight) -> CpuQuantWeight:
     g = pw.group_size
     scales = pw.scales.float()
     mins = pw.mins.float() if pw.mins is not None else torch.zeros_like(scales)
+    lib = native_library() if native_supports(pw) else None
+    if lib is not None:
+        nw = pack_native(pw, lib)
+        return CpuQuantWeight("native", nw.codes, nw.scales, g, n, perm=pw.perm, native=nw)
     int4_ok = g in INT4_GROUP_SIZES and n % 16 == 0 and k % g == 0
     if pw.bits == 4 and int4_ok:
         packed, sz = _int4(codes(pw), scales, mins + 8 * scales, g)
@@ -93,6 +112,9 @@ def quant_linear_cpu(x: torch.Tensor, w: CpuQuantWeight, bias: torch.Tensor | No
     dtype = x.dtype
     if w.perm is not None:
         x = x[:, w.perm]
+    if w.kind == "native":
+        y = native_linear(x, w.native).to(dtype)
+        return y if bias is None else y + bias
     xb = x.to(COMPUTE_DTYPE)
     if w.kind == "int4":
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w.weight, w.group_size, w.scales)

@@ -7,7 +7,8 @@ compute, with the same torch ops in the same order (so the same floats, bit for 
 
 - no ``nn.Module.__call__`` / ``CustomOp`` dispatch per op, and each layer's parts looked up once (a step with a
   forward hook on any of the layers' modules goes through the modules instead);
-- a packed int4 projection calls torch's kernel directly (no permutation, split or bias to check per call);
+- a packed int4 projection calls torch's kernel directly (no permutation, split or bias to check per call), and a
+  weight in the native kernel's layout (``rooflm.kernels.cpu_native``) calls that kernel directly;
 - the bfloat16 result of an int4 ``o_proj`` / ``down_proj`` / ``qkv_proj`` enters the next float32 op as it is:
   type promotion widens it exactly, as the explicit ``.to(float32)`` of the module path does, one op fewer; the
   SiLU product is rounded to bfloat16 as it is stored (``out=``), as ``.to(bfloat16)`` of the float32 product is;
@@ -30,6 +31,7 @@ from torch.nn.modules import module as nn_module
 
 from rooflm.attention.backend import AttentionMetadata
 from rooflm.attention.cpu_backend import CpuAttention, _decode
+from rooflm.kernels.cpu_native import NativeWeight, native_linear
 from rooflm.kernels.cpu_quant import COMPUTE_DTYPE, quant_linear_cpu
 from rooflm.layers.activation import SiluAndMul
 from rooflm.layers.custom_op import CPU, impl_generation
@@ -42,14 +44,16 @@ def lean_allowed_by_env() -> bool:
     return os.environ.get("ROOFLM_CPU_LEAN", "on") != "off"
 
 
-def _fast_int4(lin) -> tuple | None:
+def _fast_int4(lin) -> tuple | NativeWeight | None:
     """(packed weight, group size, scales) when ``lin`` multiplies with a plain packed int4 weight, which torch's
-    kernel can take as it is; else None."""
+    kernel can take as it is; the ``NativeWeight`` of a weight on the native kernel (float32 in and out, as the
+    module path computes it); else None."""
     cw = lin._cpu_weight
-    if (cw is not None and cw.kind == "int4" and not cw.split and cw.perm is None and lin.bias is None
-            and lin.quant == "packed"):
-        return cw.weight, cw.group_size, cw.scales
-    return None
+    if cw is None or cw.split or cw.perm is not None or lin.bias is not None or lin.quant != "packed":
+        return None
+    if cw.kind == "native":
+        return cw.native
+    return (cw.weight, cw.group_size, cw.scales) if cw.kind == "int4" else None
 
 
 def _linear_ok(lin) -> bool:
@@ -120,10 +124,12 @@ class _Layer:
         self.window = sa.attn.sliding_window
 
 
-def _proj(x: torch.Tensor, lin, fast: tuple | None) -> torch.Tensor:
-    """``lin(x)``; a fast int4 projection returns its bfloat16 product (the caller widens it), the others x's
-    dtype."""
+def _proj(x: torch.Tensor, lin, fast: tuple | NativeWeight | None) -> torch.Tensor:
+    """``lin(x)``; a fast int4 projection returns its bfloat16 product (the caller widens it), a native one float32,
+    the others x's dtype."""
     if fast is not None:
+        if type(fast) is NativeWeight:
+            return native_linear(x, fast).to(x.dtype)
         return _int4mm(x.to(COMPUTE_DTYPE), *fast)
     if lin.quant is None:
         return F.linear(x, lin.weight, lin.bias)
@@ -222,7 +228,7 @@ def run_lean_layers(plan: list, hidden: torch.Tensor, residual: torch.Tensor | N
         residual = _add(hidden, residual)
         gate_up = _proj(F.rms_norm(residual, lay.shape, lay.w2, lay.eps2), lay.gate_up, f_gu)
         gate, up = gate_up.chunk(2, dim=-1)
-        if f_down is not None and one is not None:
+        if type(f_down) is tuple and one is not None:
             # silu in float32, the product rounded to bfloat16 as it is stored: what ``.to(bfloat16)`` of the
             # float32 product gives, without the float32 intermediate
             if one.act is None or one.act.shape != up.shape:

@@ -1,0 +1,23 @@
+"""A native CPU matmul for 4- and 8-bit grouped weights with 8-bit activations (llama.cpp's scheme): the C source
+``qmm.c`` is compiled on first use (``build``) and called through ctypes (``matmul``). ``ROOFLM_CPU_NATIVE`` =
+``auto`` | ``on`` | ``off`` selects it; ``python -m rooflm.kernels.cpu_native`` benchmarks it against torch's
+kernels."""
+from rooflm.kernels.cpu_native.build import (
+                                              NativeBuildError,
+                                              build_library,
+                                              default_flags,
+                                              isa_name,
+                                              load_library,
+                                              native_library,
+                                              native_mode,
+)
+from rooflm.kernels.cpu_native.matmul import (
+                                              NativeWeight,
+                                              native_linear,
+                                              native_supports,
+                                              pack_native,
+                                              quantize_activations_reference,
+)
+
+__all__ = ["NativeBuildError", "NativeWeight", "build_library", "default_flags", "isa_name", "load_library", "native_library",
+           "native_linear", "native_mode", "native_supports", "pack_native", "quantize_activations_reference"]
