@@ -83,9 +83,9 @@ def attend_seq(step: SeqStep, attn, qkv: torch.Tensor, hq: int, hkv: int, kv_cac
         base = kv_cache.storage_offset()  # a cache may be a view into a larger buffer
         k = kv_cache.as_strided(size, stride, base + k_off)
         v = kv_cache.as_strided(size, stride, base + v_off)
-    # heads first, as the backend's prefill attention lays them out; grouped-query attention (Ainslie et al. 2023)
-    # through enable_gqa: query head h uses KV head h // (hq / hkv)
-    out = F.scaled_dot_product_attention(qk[:, :hq].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=step.mask, is_causal=step.mask is None, scale=attn.scale,
-                                         enable_gqa=hq != hkv)
-    return out.transpose(0, 1)
+    # [1, heads, len, D], as the backend's prefill attention lays them out (4-D: torch's fused CPU kernel);
+    # grouped-query attention (Ainslie et al. 2023) through enable_gqa: query head h uses KV head h // (hq / hkv)
+    out = F.scaled_dot_product_attention(qk[:, :hq].transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                         v.transpose(0, 1)[None], attn_mask=step.mask, is_causal=step.mask is None,
+                                         scale=attn.scale, enable_gqa=hq != hkv)
+    return out[0].transpose(0, 1)
