@@ -1,8 +1,13 @@
-"""What a speculative verify step costs on the CPU's lean path, with its attention over a view of the context
-(``rooflm.models.cpu_lean_seq``, "new") against the attention backend's gather and per-layer mask ("old"): one loaded
-model (the embedded default, GGUF blocks kept quantized), a decode step and verify steps of 2, 4 and 5 tokens (forward
-pass + LM head on every row) after CONTEXT tokens of context, alternated old/new within each round (the order flips
-every round) so load that drifts hits both alike; medians over the rounds, at each thread count.
+"""What a speculative verify step costs on the CPU's lean path: one loaded model (the embedded default, GGUF blocks
+kept quantized), a decode step and verify steps of 2, 4 and 5 tokens (forward pass + LM head on every row) after
+CONTEXT tokens of context, each timed through three attention paths alternated within each round (the order turns
+every round, so load that drifts hits all alike); medians over the rounds, at each thread count:
+
+- "3d": the attention backend's gather and per-layer mask, with ``scaled_dot_product_attention`` on 3-D tensors, as
+  the backend called it before it took 4-D ones (torch then runs its unfused maths);
+- "4d": the attention backend as it is (gather, per-layer mask, torch's fused kernel);
+- "lean": the lean loop's own attention for one sequence (``rooflm.models.cpu_lean_seq``: the context as a view of
+  the cache, the mask built once per step).
 
     PYTHONPATH=src python scripts/cpu_verify_costs.py [--context 250] [--rounds 15] [--threads 1 2] [--scattered]
 """
@@ -12,14 +17,29 @@ import argparse
 import os
 import statistics
 import time
+import types
 
 import torch
+import torch.nn.functional as F
 
+import rooflm.attention.cpu_backend as cpu_backend
 import rooflm.models.cpu_lean as cpu_lean
 from rooflm.attention.metadata_utils import allocate_kv_caches, build_attention_metadata
 from rooflm.loader import load_model
 
 BLOCK = 16
+
+
+def _sdpa_3d(q, k, v, **kw):
+    """The prefill call (the one passing ``enable_gqa``) on the 3-D tensors of a batch of one; others as they are."""
+    if "enable_gqa" in kw and q.dim() == 4 and q.shape[0] == 1:
+        return F.scaled_dot_product_attention(q[0], k[0], v[0], **kw)[None]
+    return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
+def _use(path: str, lean_rule) -> None:
+    cpu_backend.F = types.SimpleNamespace(scaled_dot_product_attention=_sdpa_3d) if path == "3d" else F
+    cpu_lean.seq_step_applies = lean_rule if path == "lean" else (lambda *a: False)
 
 
 def main() -> None:
@@ -45,8 +65,8 @@ def main() -> None:
         ids = torch.randint(0, 1000, (n,))
         return lambda: model.compute_logits(model(ids, pos, caches, meta))
 
-    new_rule = cpu_lean.seq_step_applies
-    paths = {"old": lambda *a: False, "new": new_rule}
+    lean_rule = cpu_lean.seq_step_applies
+    paths = ["3d", "4d", "lean"]
     sizes = [1, 2, 4, 5]
     steps = {n: step(n) for n in sizes}
     for threads in args.threads:
@@ -54,22 +74,23 @@ def main() -> None:
         times = {(p, n): [] for p in paths for n in sizes}
         with torch.inference_mode():
             for r in range(args.rounds + 1):
-                order = list(paths) if r % 2 == 0 else list(paths)[::-1]
+                order = paths[r % 3:] + paths[: r % 3]
                 for n in sizes:
                     for p in order:
-                        cpu_lean.seq_step_applies = paths[p]
+                        _use(p, lean_rule)
                         t0 = time.perf_counter()
                         steps[n]()
                         if r:  # the first round warms up
                             times[(p, n)].append(time.perf_counter() - t0)
-        cpu_lean.seq_step_applies = new_rule
+        _use("lean", lean_rule)
         load = os.getloadavg()
         print(f"threads {threads}, context {args.context}, {'scattered' if args.scattered else 'consecutive'} "
               f"blocks, {args.rounds} rounds, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
         for n in sizes:
-            old, new = (statistics.median(times[(p, n)]) * 1e3 for p in paths)
+            ms = {p: statistics.median(times[(p, n)]) * 1e3 for p in paths}
             name = "decode" if n == 1 else f"verify{n}"
-            print(f"  {name:8s} old {old:6.1f} ms  new {new:6.1f} ms  new/old {new / old:.3f}")
+            print(f"  {name:8s} " + "  ".join(f"{p} {ms[p]:6.1f} ms" for p in paths)
+                  + f"  lean/3d {ms['lean'] / ms['3d']:.3f}  lean/4d {ms['lean'] / ms['4d']:.3f}")
 
 
 if __name__ == "__main__":
