@@ -160,3 +160,24 @@ def test_unwritten_slot_goes_to_the_backend(monkeypatch, models) -> None:
         model(torch.tensor(PROMPT), positions, caches, meta)
     assert calls == []
     assert not caches[0][:, 2, 2].any()  # the last token's slot (block 2, offset 2) stayed empty
+
+
+def test_backend_prefill_attention_takes_the_fused_kernel(monkeypatch, models) -> None:
+    """torch runs its fused CPU attention only on 4-D tensors (3-D ones fall back to the unfused maths): the
+    backend's prefill attention, which the module path and the lean loop's fallback use, passes 4-D ones."""
+    import rooflm.attention.cpu_backend as cpu_backend
+
+    model, cfg = models["gqa3"]
+    dims = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, *args, **kwargs):
+        dims.append(q.dim())
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_backend.F, "scaled_dot_product_attention", recording)
+    monkeypatch.setenv("ROOFLM_CPU_LEAN", "off")
+    _run(model, cfg, CONSECUTIVE, _verify_steps(5)[:3])
+    assert dims and set(dims) == {4}
+    assert torch._fused_sdp_choice(torch.zeros(1, 6, 5, 16), torch.zeros(1, 2, 9, 16), torch.zeros(1, 2, 9, 16),
+                                   torch.ones(5, 9, dtype=torch.bool), enable_gqa=True) != 0  # 0: the unfused maths
