@@ -22,10 +22,10 @@ import types
 import torch
 import torch.nn.functional as F
 
-import rooflm.attention.cpu_backend as cpu_backend
-import rooflm.models.cpu_lean as cpu_lean
+from rooflm.attention import cpu_backend
 from rooflm.attention.metadata_utils import allocate_kv_caches, build_attention_metadata
 from rooflm.loader import load_model
+from rooflm.models import cpu_lean
 
 BLOCK = 16
 

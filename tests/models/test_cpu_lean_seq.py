@@ -165,7 +165,7 @@ def test_unwritten_slot_goes_to_the_backend(monkeypatch, models) -> None:
 def test_backend_prefill_attention_takes_the_fused_kernel(monkeypatch, models) -> None:
     """torch runs its fused CPU attention only on 4-D tensors (3-D ones fall back to the unfused maths): the
     backend's prefill attention, which the module path and the lean loop's fallback use, passes 4-D ones."""
-    import rooflm.attention.cpu_backend as cpu_backend
+    from rooflm.attention import cpu_backend
 
     model, cfg = models["gqa3"]
     dims = []
