@@ -13,7 +13,10 @@ the same maths with:
   rows, so ``scaled_dot_product_attention`` runs as plain multi-head attention over the gathered context without a
   mask and without copying K/V per query head (grouped-query attention, Ainslie et al. 2023);
 - prefill and chunked prefill: one ``scaled_dot_product_attention`` per sequence, causal through ``is_causal`` when
-  the chunk is the whole context and through an explicit mask otherwise (or with a sliding window).
+  the chunk is the whole context and through an explicit mask otherwise (or with a sliding window). Its tensors are
+  4-D (a batch of one): torch runs its fused CPU kernel (flash attention, Dao et al. 2022) only on 4-D inputs, and 3-D
+  ones fall back to the unfused maths, which materialises every score and copies K/V per query head: 3-6x slower for
+  a 5-token verify step or a 300-1000-token prompt of SmolLM2-135M's shape.
 
 Checked against the reference in ``tests/unit/test_cpu_attention.py``.
 """
@@ -150,7 +153,7 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ``tree`` [Q, Q] bool: instead of causally, the new tokens see each other where it is True (a token tree)."""
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, heads, len, D]
     gqa = num_heads != num_kv_heads
     if tree is not None:
         allowed = torch.cat([torch.ones(q_len, seq_len - q_len, dtype=torch.bool, device=q.device),
@@ -165,4 +168,4 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         if sliding_window is not None:
             allowed &= k_pos > q_pos - sliding_window
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale, enable_gqa=gqa)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)

@@ -14,7 +14,9 @@ compute, with the same torch ops in the same order (so the same floats, bit for 
   SiLU product is rounded to bfloat16 as it is stored (``out=``), as ``.to(bfloat16)`` of the float32 product is;
 - a single decoding sequence with full attention rotates, writes and attends inline (the CPU backend's maths), with
   the gather of its context replaced by a view when its KV blocks are consecutive (they usually are: the block pool
-  hands out fresh blocks in order), which copies nothing.
+  hands out fresh blocks in order), which copies nothing;
+- so does a single sequence with several new tokens (a speculative verify step, a token tree's, a prefill chunk),
+  with its mask built once per step (``rooflm.models.cpu_lean_seq``).
 
 It runs only where every layer took the CPU path (``ops="auto"`` or ``"cpu"`` on the CPU, CPU attention backend),
 one tensor-parallel rank, one pipeline stage, a dense SwiGLU MLP, a float KV cache and no H2O score collection;
@@ -35,6 +37,7 @@ from rooflm.kernels.cpu_native import NativeWeight, native_linear
 from rooflm.kernels.cpu_quant import COMPUTE_DTYPE, quant_linear_cpu
 from rooflm.layers.activation import SiluAndMul
 from rooflm.layers.custom_op import CPU, impl_generation
+from rooflm.models.cpu_lean_seq import SeqStep, attend_seq, seq_step_applies
 
 _int4mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 
@@ -204,10 +207,12 @@ def run_lean_layers(plan: list, hidden: torch.Tensor, residual: torch.Tensor | N
     dtype = hidden.dtype
     backend: CpuAttention = plan[0].attn.backend
     backend._step(meta, kv_caches[0].shape[2])
-    one = None
+    one = seq = None
     if (meta.is_decode_only and meta.num_seqs == 1 and meta.tree_masks is None and backend._slots_valid
             and backend._decode_blocks is not None and dtype == torch.float32):
         one = _DecodeOne(backend, cos, sin, kv_caches[0], meta)
+    elif seq_step_applies(meta, backend, dtype):
+        seq = SeqStep(backend, cos, sin, kv_caches[0], meta)
     for lay, kv_cache in zip(plan, kv_caches, strict=True):
         f_qkv, f_o, f_gu, f_down = lay.fast
         # attention block: residual += hidden; qkv = qkv_proj(rms_norm(residual))
@@ -219,6 +224,8 @@ def run_lean_layers(plan: list, hidden: torch.Tensor, residual: torch.Tensor | N
         T = qkv.shape[0]
         if one is not None and lay.window is None:
             out = _attend_one(one, lay.attn, qkv, lay.hq, lay.hkv, kv_cache, meta)
+        elif seq is not None and lay.window is None:
+            out = attend_seq(seq, lay.attn, qkv, lay.hq, lay.hkv, kv_cache)
         else:
             q, k, v = qkv.to(dtype).split([lay.q_size, lay.kv_size, lay.kv_size], dim=-1)
             out = lay.attn.forward_native(q.view(T, lay.hq, lay.d), k.view(T, lay.hkv, lay.d),
