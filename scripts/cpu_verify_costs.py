@@ -3,9 +3,11 @@ kept quantized), a decode step and verify steps of 2, 4 and 5 tokens (forward pa
 CONTEXT tokens of context, each timed through three attention paths alternated within each round (the order turns
 every round, so load that drifts hits all alike); medians over the rounds, at each thread count:
 
-- "3d": the attention backend's gather and per-layer mask, with ``scaled_dot_product_attention`` on 3-D tensors, as
-  the backend called it before it took 4-D ones (torch then runs its unfused maths);
-- "4d": the attention backend as it is (gather, per-layer mask, torch's fused kernel);
+- "backend": the attention backend as it is: gather, then each of a verify step's tokens through the decode step's
+  own ``scaled_dot_product_attention`` call (``attend_as_decode``, which keeps greedy speculation on the plain path's
+  tokens, see ``attention/cpu_backend.py``);
+- "fused": the backend with one call of torch's fused kernel for the whole step (what it uses for chunks longer than
+  ``EXACT_MAX_QUERY`` tokens);
 - "lean": the lean loop's own attention for one sequence (``rooflm.models.cpu_lean_seq``: the context as a view of
   the cache, the mask built once per step).
 
@@ -17,10 +19,8 @@ import argparse
 import os
 import statistics
 import time
-import types
 
 import torch
-import torch.nn.functional as F
 
 from rooflm.attention import cpu_backend
 from rooflm.attention.metadata_utils import allocate_kv_caches, build_attention_metadata
@@ -30,15 +30,11 @@ from rooflm.models import cpu_lean
 BLOCK = 16
 
 
-def _sdpa_3d(q, k, v, **kw):
-    """The prefill call (the one passing ``enable_gqa``) on the 3-D tensors of a batch of one; others as they are."""
-    if "enable_gqa" in kw and q.dim() == 4 and q.shape[0] == 1:
-        return F.scaled_dot_product_attention(q[0], k[0], v[0], **kw)[None]
-    return F.scaled_dot_product_attention(q, k, v, **kw)
+EXACT_MAX_QUERY = cpu_backend.EXACT_MAX_QUERY
 
 
 def _use(path: str, lean_rule) -> None:
-    cpu_backend.F = types.SimpleNamespace(scaled_dot_product_attention=_sdpa_3d) if path == "3d" else F
+    cpu_backend.EXACT_MAX_QUERY = 0 if path == "fused" else EXACT_MAX_QUERY
     cpu_lean.seq_step_applies = lean_rule if path == "lean" else (lambda *a: False)
 
 
@@ -66,7 +62,7 @@ def main() -> None:
         return lambda: model.compute_logits(model(ids, pos, caches, meta))
 
     lean_rule = cpu_lean.seq_step_applies
-    paths = ["3d", "4d", "lean"]
+    paths = ["backend", "fused", "lean"]
     sizes = [1, 2, 4, 5]
     steps = {n: step(n) for n in sizes}
     for threads in args.threads:
@@ -90,7 +86,7 @@ def main() -> None:
             ms = {p: statistics.median(times[(p, n)]) * 1e3 for p in paths}
             name = "decode" if n == 1 else f"verify{n}"
             print(f"  {name:8s} " + "  ".join(f"{p} {ms[p]:6.1f} ms" for p in paths)
-                  + f"  lean/3d {ms['lean'] / ms['3d']:.3f}  lean/4d {ms['lean'] / ms['4d']:.3f}")
+                  + f"  lean/backend {ms['lean'] / ms['backend']:.3f}  lean/fused {ms['lean'] / ms['fused']:.3f}")
 
 
 if __name__ == "__main__":

@@ -162,9 +162,31 @@ def test_unwritten_slot_goes_to_the_backend(monkeypatch, models) -> None:
     assert not caches[0][:, 2, 2].any()  # the last token's slot (block 2, offset 2) stayed empty
 
 
-def test_backend_prefill_attention_takes_the_fused_kernel(monkeypatch, models) -> None:
+@pytest.mark.parametrize("table", [CONSECUTIVE, SCATTERED], ids=["consecutive", "scattered"])
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4)], ids=["gqa3", "mha"])
+def test_a_verify_step_attends_each_token_as_a_decode_step_does(table, heads) -> None:
+    """Greedy speculation keeps the plain path's tokens only if a verify step scores each drafted token with the
+    decode step's floats: each row of a 5-token step's attention equals, bit for bit, the decode step's attention for
+    that token alone (the lean loop's attention equals the backend's: the tests above). Whole-model logits are not
+    compared: a float matmul of 5 rows may round differently from one of 1 row (the native quantized kernel does
+    not: its rows are independent, see tests/quantization/test_cpu_native.py)."""
+    from rooflm.attention.cpu_backend import CpuAttention
+
+    hq, hkv, d, ctx, new = *heads, 16, 11, 5
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(2, max(table) + 1, BLOCK, hkv, d, generator=g)
+    q = torch.randn(new, hq, d, generator=g)
+    meta, _ = build_attention_metadata([table], [ctx], [new], BLOCK)
+    verify = CpuAttention().attend(q, cache, meta, d ** -0.5)
+    for i in range(new):
+        meta, _ = build_attention_metadata([table], [ctx + i], [1], BLOCK)
+        assert torch.equal(CpuAttention().attend(q[i:i + 1], cache, meta, d ** -0.5), verify[i:i + 1]), i
+
+
+def test_backend_prefill_attention_takes_the_fused_kernel_for_long_chunks_only(monkeypatch, models) -> None:
     """torch runs its fused CPU attention only on 4-D tensors (3-D ones fall back to the unfused maths): the
-    backend's prefill attention, which the module path and the lean loop's fallback use, passes 4-D ones."""
+    backend's prefill attention, which the module path and the lean loop's fallback use, passes 4-D ones for a chunk
+    longer than EXACT_MAX_QUERY tokens and 3-D ones for a verify-sized step."""
     from rooflm.attention import cpu_backend
 
     model, cfg = models["gqa3"]
@@ -177,7 +199,14 @@ def test_backend_prefill_attention_takes_the_fused_kernel(monkeypatch, models) -
 
     monkeypatch.setattr(cpu_backend.F, "scaled_dot_product_attention", recording)
     monkeypatch.setenv("ROOFLM_CPU_LEAN", "off")
-    _run(model, cfg, CONSECUTIVE, _verify_steps(5)[:3])
+    _run(model, cfg, CONSECUTIVE, [(0, PROMPT)])  # a short prompt: one 3-D call per layer
+    assert dims and set(dims) == {3}
+    dims.clear()
+    _run(model, cfg, CONSECUTIVE, [(0, PROMPT), (len(PROMPT), [31, 7, 90, 4, 66])])  # then verify 5, as decode steps
+    assert dims.count(4) == 5 * cfg.num_hidden_layers
+    dims.clear()
+    long = (PROMPT * 4)[: cpu_backend.EXACT_MAX_QUERY + 1]
+    _run(model, cfg, CONSECUTIVE, [(0, long)])
     assert dims and set(dims) == {4}
     assert torch._fused_sdp_choice(torch.zeros(1, 6, 5, 16), torch.zeros(1, 2, 9, 16), torch.zeros(1, 2, 9, 16),
                                    torch.ones(5, 9, dtype=torch.bool), enable_gqa=True) != 0  # 0: the unfused maths

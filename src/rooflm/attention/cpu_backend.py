@@ -13,10 +13,13 @@ the same maths with:
   rows, so ``scaled_dot_product_attention`` runs as plain multi-head attention over the gathered context without a
   mask and without copying K/V per query head (grouped-query attention, Ainslie et al. 2023);
 - prefill and chunked prefill: one ``scaled_dot_product_attention`` per sequence, causal through ``is_causal`` when
-  the chunk is the whole context and through an explicit mask otherwise (or with a sliding window). Its tensors are
-  4-D (a batch of one): torch runs its fused CPU kernel (flash attention, Dao et al. 2022) only on 4-D inputs, and 3-D
-  ones fall back to the unfused maths, which materialises every score and copies K/V per query head: 3-6x slower for
-  a 5-token verify step or a 300-1000-token prompt of SmolLM2-135M's shape.
+  the chunk is the whole context and through an explicit mask otherwise (or with a sliding window). A chunk of more
+  than ``EXACT_MAX_QUERY`` tokens passes 4-D tensors (a batch of one): torch runs its fused CPU kernel (flash
+  attention, Dao et al. 2022) only on 4-D inputs, and 3-D ones fall back to the unfused maths, which materialises
+  every score and copies K/V per query head: 3-7x slower for a 300-1000-token prompt of SmolLM2-135M's shape. A step
+  of at most ``EXACT_MAX_QUERY`` tokens after a cached prefix (a speculative verify step) attends token by token
+  through the decode step's own call (``attend_as_decode``), so that each drafted token is scored with the decode
+  step's floats; a token tree, or a short step with a sliding window, keeps one 3-D call.
 
 Checked against the reference in ``tests/unit/test_cpu_attention.py``.
 """
@@ -147,13 +150,45 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
     return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale).view(num_seqs, num_heads, head_dim)
 
 
+EXACT_MAX_QUERY = 32  # steps of at most this many new tokens per sequence attend through the unfused maths
+
+
+def heads_first(x: torch.Tensor, q_len: int) -> torch.Tensor:
+    """[len, heads, D] -> [heads, len, D] for a step of ``q_len`` new tokens, or [1, heads, len, D] (torch's fused
+    kernel) when the step is longer than ``EXACT_MAX_QUERY`` (see the module docstring)."""
+    x = x.transpose(0, 1)
+    return x[None] if q_len > EXACT_MAX_QUERY else x
+
+
+def attend_as_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the last T positions of one sequence, each token through the decode step's own call.
+    q [T, Hq, D]; k, v [1, Hkv, L, D] (the context, the new tokens last) -> [T, Hq, D].
+
+    A speculative verify step must score each drafted token as the decode step at its position would: greedy
+    speculation keeps the plain path's tokens only then. One masked call over all T tokens (fused or not) rounds
+    differently from the decode step's unmasked call over exactly the keys up to the token, enough to flip near ties
+    (on the default model: the first differing token 5-40 tokens into Medusa runs, in most prompts); T calls of
+    the decode step's shapes give its floats. For a few tokens over a short context this is also the fastest of the
+    three (SmolLM2's shape, 250 keys, one thread: 5 x 17 us, against 183 us unfused and 57 us fused for 5 tokens)."""
+    t, hq, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    out = torch.empty_like(q)
+    for i in range(t):
+        n = length - t + i + 1
+        qg = q[i].view(1, hkv, hq // hkv, d)  # as the decode step: query head h uses KV head h // group
+        out[i] = F.scaled_dot_product_attention(qg, k[:, :, :n], v[:, :, :n], scale=scale).view(hq, d)
+    return out
+
+
 def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                  sliding_window: int | None, tree: torch.Tensor | None = None) -> torch.Tensor:
     """The last q_len positions of one sequence attend causally to its seq_len context. q [Q, H, D], k/v [L, Hkv, D].
     ``tree`` [Q, Q] bool: instead of causally, the new tokens see each other where it is True (a token tree)."""
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
-    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, heads, len, D]
+    if tree is None and sliding_window is None and q_len < seq_len and q_len <= EXACT_MAX_QUERY:
+        return attend_as_decode(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale)
+    qh, kh, vh = (heads_first(t, q_len) for t in (q, k, v))
     gqa = num_heads != num_kv_heads
     if tree is not None:
         allowed = torch.cat([torch.ones(q_len, seq_len - q_len, dtype=torch.bool, device=q.device),
@@ -168,4 +203,4 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         if sliding_window is not None:
             allowed &= k_pos > q_pos - sliding_window
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale, enable_gqa=gqa)
-    return out[0].transpose(0, 1)
+    return (out[0] if out.dim() == 4 else out).transpose(0, 1)

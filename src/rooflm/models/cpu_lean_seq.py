@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from rooflm.attention.backend import AttentionMetadata
-from rooflm.attention.cpu_backend import CpuAttention, _gather
+from rooflm.attention.cpu_backend import EXACT_MAX_QUERY, CpuAttention, _gather, attend_as_decode, heads_first
 
 
 def consecutive(blocks: torch.Tensor) -> bool:
@@ -51,6 +51,8 @@ class SeqStep:
         self.blocks = meta.block_tables[0, : (seq_len + bs - 1) // bs].long()
         tree = meta.tree_masks[0] if meta.tree_masks is not None else None
         self.mask = causal_mask(meta.num_tokens, seq_len, tree)
+        # a short causal step after a cached prefix (a verify step) attends token by token as decode steps do
+        self.as_decode = tree is None and meta.num_tokens < seq_len and meta.num_tokens <= EXACT_MAX_QUERY
         self.view = None  # (size, stride, K offset, V offset) of the context as [L, Hkv, D] views
         if consecutive(self.blocks):
             start = int(self.blocks[0]) * bs * hkv * d
@@ -83,9 +85,13 @@ def attend_seq(step: SeqStep, attn, qkv: torch.Tensor, hq: int, hkv: int, kv_cac
         base = kv_cache.storage_offset()  # a cache may be a view into a larger buffer
         k = kv_cache.as_strided(size, stride, base + k_off)
         v = kv_cache.as_strided(size, stride, base + v_off)
-    # [1, heads, len, D], as the backend's prefill attention lays them out (4-D: torch's fused CPU kernel);
-    # grouped-query attention (Ainslie et al. 2023) through enable_gqa: query head h uses KV head h // (hq / hkv)
-    out = F.scaled_dot_product_attention(qk[:, :hq].transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                         v.transpose(0, 1)[None], attn_mask=step.mask, is_causal=step.mask is None,
+    if step.as_decode:
+        return attend_as_decode(qk[:, :hq], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn.scale)
+    # heads first, as the backend's prefill attention lays them out (4-D, torch's fused kernel, for long chunks only:
+    # see EXACT_MAX_QUERY); grouped-query attention (Ainslie et al. 2023) through enable_gqa: query head h uses KV
+    # head h // (hq / hkv)
+    q_len = qk.shape[0]
+    out = F.scaled_dot_product_attention(heads_first(qk[:, :hq], q_len), heads_first(k, q_len),
+                                         heads_first(v, q_len), attn_mask=step.mask, is_causal=step.mask is None,
                                          scale=attn.scale, enable_gqa=hq != hkv)
-    return out[0].transpose(0, 1)
+    return (out[0] if out.dim() == 4 else out).transpose(0, 1)
