@@ -70,7 +70,9 @@ def test_default_model_tp2_with_prefix_cache_and_chunked_prefill_equals_tp1(make
                      enable_prefix_caching=True)
     got = run(tp, austen_prompts, params)
     assert tp.kv.prefix_hits > 0
-    _assert_same(ref, got, tol=1e-5)
+    # chunked against whole prompts: the CPU's fused attention kernel blocks its work by the query and key lengths,
+    # so the two runs round differently (each within float32 rounding of exact attention), and 30 layers amplify it
+    _assert_same(ref, got, tol=2e-5)
 
 
 def test_tp2_speculative_decoding_and_preemption_equal_tp1(make_engine, tiny_checkpoint):

@@ -37,7 +37,7 @@ from rooflm.kernels.cpu_native import NativeWeight, native_linear
 from rooflm.kernels.cpu_quant import COMPUTE_DTYPE, quant_linear_cpu
 from rooflm.layers.activation import SiluAndMul
 from rooflm.layers.custom_op import CPU, impl_generation
-from rooflm.models.cpu_lean_seq import SeqStep, attend_seq, seq_step_applies
+from rooflm.models.cpu_lean_seq import SeqStep, attend_seq, consecutive, seq_step_applies
 
 _int4mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 
@@ -148,12 +148,6 @@ def _add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     return x + residual
 
 
-def _consecutive(blocks: torch.Tensor) -> bool:
-    """True when the block indices are consecutive: the context is then one slice of the cache."""
-    n = blocks.shape[0]
-    return n == 1 if n <= 1 else bool((blocks.diff() == 1).all())
-
-
 class _DecodeOne:
     """What every layer of a step with one decoding sequence (full attention) shares: the rotary tables, the slot
     the new token's K/V go to and, when the context's blocks are consecutive, where its K and V start in a layer's
@@ -166,7 +160,7 @@ class _DecodeOne:
         self.blocks = backend._decode_blocks
         self.seq_len = meta.seq_lens_cpu[0]
         self.view = None  # (size, stride, K offset, V offset) of the context as [1, Hkv, L, D] views
-        if _consecutive(self.blocks):
+        if consecutive(self.blocks):
             _, _, bs, hkv, d = kv_cache.shape
             start = int(self.blocks[0]) * bs * hkv * d
             self.view = ((1, hkv, self.seq_len, d), (hkv * self.seq_len * d, d, hkv * d, 1), start,
