@@ -38,8 +38,9 @@ def test_default_model_pp2_with_chunked_prefill_equals_pp1(make_engine):
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=2, prompt_logprobs=1)
     ref = run(make_engine(quantization="none"), prompts, params)
     got = run(make_engine(quantization="none", pipeline_parallel_size=2, max_num_batched_tokens=8), prompts, params)
-    # chunked against whole prompts: the CPU's fused attention kernel blocks its work by the query and key lengths,
-    # so the two runs round differently (each within float32 rounding of exact attention), and 30 layers amplify it
+    # chunked against whole prompts: a short chunk after a cached prefix attends token by token, a long prompt
+    # through torch's fused kernel (attention/cpu_backend.py), so the two runs round differently (each within float32
+    # rounding of exact attention), and 30 layers amplify it
     _assert_same(ref, got, tol=2e-5)
 
 

@@ -70,8 +70,9 @@ def test_default_model_tp2_with_prefix_cache_and_chunked_prefill_equals_tp1(make
                      enable_prefix_caching=True)
     got = run(tp, austen_prompts, params)
     assert tp.kv.prefix_hits > 0
-    # chunked against whole prompts: the CPU's fused attention kernel blocks its work by the query and key lengths,
-    # so the two runs round differently (each within float32 rounding of exact attention), and 30 layers amplify it
+    # chunked against whole prompts: a short chunk after a cached prefix attends token by token, a long prompt
+    # through torch's fused kernel (attention/cpu_backend.py), so the two runs round differently (each within float32
+    # rounding of exact attention), and 30 layers amplify it
     _assert_same(ref, got, tol=2e-5)
 
 
