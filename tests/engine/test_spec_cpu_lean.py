@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import rooflm.models.cpu_lean as lean_module
 from rooflm.config import EngineConfig
 from rooflm.engine.engine import LLMEngine
 from rooflm.sampling_params import SamplingParams
@@ -23,7 +22,16 @@ def echo_prompts(austen_ids) -> list[list[int]]:
     return [austen_ids[40 * i: 40 * i + 40] + austen_ids[600:608] + austen_ids[40 * i: 40 * i + 10] for i in range(3)]
 
 
+def _lean_module():
+    """Imported when a test runs: the kernel tests' conftest must set TRITON_INTERPRET before any rooflm.kernels
+    module is imported, and the lean loop imports the CPU kernels."""
+    import rooflm.models.cpu_lean as lean_module
+
+    return lean_module
+
+
 def _seq_attention_calls(monkeypatch) -> list[int]:
+    lean_module = _lean_module()
     calls = []
     real = lean_module.attend_seq
 
@@ -60,7 +68,7 @@ def test_gguf_verify_steps_give_the_backends_tokens(monkeypatch, gguf_kept, echo
     outs = []
     for seq_path in (True, False):
         if not seq_path:
-            monkeypatch.setattr(lean_module, "seq_step_applies", lambda *args: False)
+            monkeypatch.setattr(_lean_module(), "seq_step_applies", lambda *args: False)
         calls = _seq_attention_calls(monkeypatch)
         engine = LLMEngine(EngineConfig(speculative_config=SPEC, kv_cache_memory=48 * 2**20, show_progress=False),
                            model=model, model_config=cfg, tokenizer=tok)

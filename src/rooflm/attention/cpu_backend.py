@@ -17,9 +17,9 @@ the same maths with:
   than ``EXACT_MAX_QUERY`` tokens passes 4-D tensors (a batch of one): torch runs its fused CPU kernel (flash
   attention, Dao et al. 2022) only on 4-D inputs, and 3-D ones fall back to the unfused maths, which materialises
   every score and copies K/V per query head: 3-7x slower for a 300-1000-token prompt of SmolLM2-135M's shape. A step
-  of at most ``EXACT_MAX_QUERY`` tokens after a cached prefix (a speculative verify step) attends token by token
-  through the decode step's own call (``attend_as_decode``), so that each drafted token is scored with the decode
-  step's floats; a token tree, or a short step with a sliding window, keeps one 3-D call.
+  of at most ``EXACT_MAX_QUERY`` tokens after a cached prefix (a speculative verify step, a chain or a token tree)
+  attends token by token through the decode step's own call (``attend_as_decode``), so that each drafted token is
+  scored with the decode step's floats; a short step with a sliding window keeps one 3-D call.
 
 Checked against the reference in ``tests/unit/test_cpu_attention.py``.
 """
@@ -160,23 +160,40 @@ def heads_first(x: torch.Tensor, q_len: int) -> torch.Tensor:
     return x[None] if q_len > EXACT_MAX_QUERY else x
 
 
-def attend_as_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of the last T positions of one sequence, each token through the decode step's own call.
-    q [T, Hq, D]; k, v [1, Hkv, L, D] (the context, the new tokens last) -> [T, Hq, D].
+def decode_key_rows(q_len: int, seq_len: int, tree: torch.Tensor | None) -> list[torch.Tensor] | None:
+    """For each of a step's q_len new tokens, the positions of the keys its decode step would read: the cached
+    context, then the new tokens it sees (itself included), in order; None for a causal step (its keys are a
+    prefix, ``attend_as_decode`` slices it)."""
+    if tree is None:
+        return None
+    ctx = torch.arange(seq_len - q_len)
+    return [torch.cat((ctx, (seq_len - q_len) + row.nonzero().flatten())) for row in tree.to("cpu")]
+
+
+def attend_as_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     rows: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Attention of the last T positions of one sequence, each token through the decode step's own call.
+    q [T, Hq, D]; k, v [L, Hkv, D] (the context, the new tokens last) -> [T, Hq, D]. ``rows`` (``decode_key_rows``):
+    per token, the key positions it reads (a token tree's token reads the context and its ancestors); None: causal.
 
     A speculative verify step must score each drafted token as the decode step at its position would: greedy
     speculation keeps the plain path's tokens only then. One masked call over all T tokens (fused or not) rounds
-    differently from the decode step's unmasked call over exactly the keys up to the token, enough to flip near ties
-    (on the default model: the first differing token 5-40 tokens into Medusa runs, in most prompts); T calls of
-    the decode step's shapes give its floats. For a few tokens over a short context this is also the fastest of the
-    three (SmolLM2's shape, 250 keys, one thread: 5 x 17 us, against 183 us unfused and 57 us fused for 5 tokens)."""
+    differently from the decode step's unmasked call over exactly the keys it reads, enough to flip near ties (on the
+    default model: the first differing token 5-40 tokens into Medusa runs, in most prompts); T calls of the decode
+    step's shapes and layout give its floats. For a few tokens over a short context this is also about as fast as one
+    call (SmolLM2's shape, 250 keys, one thread: 5 x 17 us, against 183 us unfused and 57 us fused for 5 tokens)."""
     t, hq, d = q.shape
-    hkv, length = k.shape[1], k.shape[2]
+    length, hkv, _ = k.shape
     out = torch.empty_like(q)
     for i in range(t):
-        n = length - t + i + 1
+        if rows is None:
+            ki, vi = k[: length - t + i + 1], v[: length - t + i + 1]
+        else:
+            ki, vi = k.index_select(0, rows[i]), v.index_select(0, rows[i])
         qg = q[i].view(1, hkv, hq // hkv, d)  # as the decode step: query head h uses KV head h // group
-        out[i] = F.scaled_dot_product_attention(qg, k[:, :, :n], v[:, :, :n], scale=scale).view(hq, d)
+        # [1, Hkv, n, D] with the decode step's strides (position-major, heads inside)
+        out[i] = F.scaled_dot_product_attention(qg, ki.transpose(0, 1)[None], vi.transpose(0, 1)[None],
+                                                scale=scale).view(hq, d)
     return out
 
 
@@ -186,8 +203,8 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ``tree`` [Q, Q] bool: instead of causally, the new tokens see each other where it is True (a token tree)."""
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
-    if tree is None and sliding_window is None and q_len < seq_len and q_len <= EXACT_MAX_QUERY:
-        return attend_as_decode(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale)
+    if sliding_window is None and q_len < seq_len and q_len <= EXACT_MAX_QUERY:
+        return attend_as_decode(q, k, v, scale, decode_key_rows(q_len, seq_len, tree))
     qh, kh, vh = (heads_first(t, q_len) for t in (q, k, v))
     gqa = num_heads != num_kv_heads
     if tree is not None:

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from rooflm.attention.backend import AttentionMetadata
-from rooflm.attention.cpu_backend import EXACT_MAX_QUERY, CpuAttention, _gather, attend_as_decode, heads_first
+from rooflm.attention.cpu_backend import (EXACT_MAX_QUERY, CpuAttention, _gather, attend_as_decode, decode_key_rows,
+                                          heads_first)
 
 
 def consecutive(blocks: torch.Tensor) -> bool:
@@ -52,7 +53,8 @@ class SeqStep:
         tree = meta.tree_masks[0] if meta.tree_masks is not None else None
         self.mask = causal_mask(meta.num_tokens, seq_len, tree)
         # a short causal step after a cached prefix (a verify step) attends token by token as decode steps do
-        self.as_decode = tree is None and meta.num_tokens < seq_len and meta.num_tokens <= EXACT_MAX_QUERY
+        self.as_decode = meta.num_tokens < seq_len and meta.num_tokens <= EXACT_MAX_QUERY
+        self.rows = decode_key_rows(meta.num_tokens, seq_len, tree) if self.as_decode else None
         self.view = None  # (size, stride, K offset, V offset) of the context as [L, Hkv, D] views
         if consecutive(self.blocks):
             start = int(self.blocks[0]) * bs * hkv * d
@@ -86,7 +88,7 @@ def attend_seq(step: SeqStep, attn, qkv: torch.Tensor, hq: int, hkv: int, kv_cac
         k = kv_cache.as_strided(size, stride, base + k_off)
         v = kv_cache.as_strided(size, stride, base + v_off)
     if step.as_decode:
-        return attend_as_decode(qk[:, :hq], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn.scale)
+        return attend_as_decode(qk[:, :hq], k, v, attn.scale, step.rows)
     # heads first, as the backend's prefill attention lays them out (4-D, torch's fused kernel, for long chunks only:
     # see EXACT_MAX_QUERY); grouped-query attention (Ainslie et al. 2023) through enable_gqa: query head h uses KV
     # head h // (hq / hkv)
