@@ -21,7 +21,7 @@ the same maths with:
   attends token by token through the decode step's own call (``attend_as_decode``), so that each drafted token is
   scored with the decode step's floats; a short step with a sliding window keeps one 3-D call.
 
-Checked against the reference in ``tests/unit/test_cpu_attention.py``.
+Checked against the reference in ``tests/kernels/test_cpu_attention.py``.
 """
 from __future__ import annotations
 
@@ -150,7 +150,9 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
     return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale).view(num_seqs, num_heads, head_dim)
 
 
-EXACT_MAX_QUERY = 32  # steps of at most this many new tokens per sequence attend through the unfused maths
+# A step of at most this many new tokens per sequence attends token by token after a cached prefix (a verify step)
+# or through one unfused call (a short prompt); longer ones through torch's fused kernel (module docstring).
+EXACT_MAX_QUERY = 32
 
 
 def heads_first(x: torch.Tensor, q_len: int) -> torch.Tensor:
