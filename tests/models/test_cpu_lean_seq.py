@@ -183,27 +183,43 @@ def test_a_verify_step_attends_each_token_as_a_decode_step_does(table, heads) ->
         assert torch.equal(CpuAttention().attend(q[i:i + 1], cache, meta, d ** -0.5), verify[i:i + 1]), i
 
 
-def test_backend_prefill_attention_takes_the_fused_kernel_for_long_chunks_only(monkeypatch, models) -> None:
+@pytest.mark.parametrize("native", ["auto", "off"])
+def test_backend_prefill_attention_takes_the_fused_kernel_for_long_chunks_only(monkeypatch, models, native) -> None:
     """torch runs its fused CPU attention only on 4-D tensors (3-D ones fall back to the unfused maths): the
     backend's prefill attention, which the module path and the lean loop's fallback use, passes 4-D ones for a chunk
-    longer than EXACT_MAX_QUERY tokens and 3-D ones for a verify-sized step."""
+    longer than EXACT_MAX_QUERY tokens and 3-D ones for a short prompt; a verify-sized step after a cached prefix
+    attends as decode steps do: one native call per layer for its five tokens, or without the native operators five
+    4-D calls of torch's per layer."""
     from rooflm.attention import cpu_backend
 
+    monkeypatch.setenv("ROOFLM_CPU_NATIVE", native)
     model, cfg = models["gqa3"]
-    dims = []
+    dims, native_tokens = [], []
     real = torch.nn.functional.scaled_dot_product_attention
+    real_native = cpu_backend.native_attend
 
     def recording(q, *args, **kwargs):
         dims.append(q.dim())
         return real(q, *args, **kwargs)
 
+    def recording_native(q, *args, **kwargs):
+        out = real_native(q, *args, **kwargs)
+        if out is not None:
+            native_tokens.append(q.shape[0])
+        return out
+
     monkeypatch.setattr(cpu_backend.F, "scaled_dot_product_attention", recording)
+    monkeypatch.setattr(cpu_backend, "native_attend", recording_native)
     monkeypatch.setenv("ROOFLM_CPU_LEAN", "off")
     _run(model, cfg, CONSECUTIVE, [(0, PROMPT)])  # a short prompt: one 3-D call per layer
     assert dims and set(dims) == {3}
     dims.clear()
+    native_tokens.clear()
     _run(model, cfg, CONSECUTIVE, [(0, PROMPT), (len(PROMPT), [31, 7, 90, 4, 66])])  # then verify 5, as decode steps
-    assert dims.count(4) == 5 * cfg.num_hidden_layers
+    if native == "off":
+        assert dims.count(4) == 5 * cfg.num_hidden_layers and not native_tokens
+    else:
+        assert native_tokens == [5] * cfg.num_hidden_layers and dims.count(4) == 0
     dims.clear()
     long = (PROMPT * 4)[: cpu_backend.EXACT_MAX_QUERY + 1]
     _run(model, cfg, CONSECUTIVE, [(0, long)])

@@ -9,9 +9,12 @@ the same maths with:
   k, with ``cos2 = [cos, cos]`` and ``sin2 = [-sin, sin]`` built once per step (every layer shares the positions);
   the products and the sum are the ones the reference computes, so the result is the same up to the fused
   multiply-add of ``addcmul``;
-- decode (one query token per sequence): the query heads that share a KV head are laid out as that head's query
-  rows, so ``scaled_dot_product_attention`` runs as plain multi-head attention over the gathered context without a
-  mask and without copying K/V per query head (grouped-query attention, Ainslie et al. 2023);
+- decode (one query token per sequence), float32: one call of the native operator
+  (``rooflm.kernels.cpu_native.ops``, C compiled on first use), a few microseconds where torch's flash kernel costs
+  tens for one query; without it (``ROOFLM_CPU_NATIVE=off``, no compiler, other dtypes), the query heads that share a
+  KV head are laid out as that head's query rows, so ``scaled_dot_product_attention`` runs as plain multi-head
+  attention over the gathered context without a mask and without copying K/V per query head (grouped-query
+  attention, Ainslie et al. 2023);
 - prefill and chunked prefill: one ``scaled_dot_product_attention`` per sequence, causal through ``is_causal`` when
   the chunk is the whole context and through an explicit mask otherwise (or with a sliding window). A chunk of more
   than ``EXACT_MAX_QUERY`` tokens passes 4-D tensors (a batch of one): torch runs its fused CPU kernel (flash
@@ -30,6 +33,9 @@ import torch.nn.functional as F
 
 from rooflm.attention.backend import AttentionMetadata, write_kv_cache
 from rooflm.attention.kv_quant import QuantizedKVCache, gather_blocks
+from rooflm.kernels.cpu_native.ops import attend as native_attend
+from rooflm.kernels.cpu_native.ops import native_ops
+from rooflm.kernels.cpu_native.ops import rope_write as native_rope_write
 
 
 def _gather(kv_cache, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -54,6 +60,7 @@ class CpuAttention:
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._meta: AttentionMetadata | None = None
         self._slots_valid = True
+        self._slots_end = 0  # one past the largest slot of the step
         self._decode_blocks: torch.Tensor | None = None
 
     def _rope_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +79,7 @@ class CpuAttention:
             return
         self._meta = meta
         self._slots_valid = bool((meta.slot_mapping >= 0).all())
+        self._slots_end = int(meta.slot_mapping.max()) + 1 if meta.slot_mapping.numel() else 0
         self._decode_blocks = None
         if meta.is_decode_only and meta.num_seqs == 1:
             seq_len = meta.seq_lens_cpu[0]
@@ -84,6 +92,10 @@ class CpuAttention:
         cos2, sin2 = self._rope_tables(cos, sin)
         half = q.shape[-1] // 2
         qk = _adjacent_heads(q, k)
+        if qk is not None:
+            rotated = self.native_rope_write(qk, v, cos2, sin2, kv_cache, meta)
+            if rotated is not None:
+                return rotated[:, : q.shape[1]], rotated[:, q.shape[1]:]
         if qk is not None:  # q and k are neighbouring column ranges of one qkv row: rotate both in one pass
             qk = torch.addcmul(qk * cos2, qk.roll(half, dims=-1), sin2)
             q, k = qk[:, : q.shape[1]], qk[:, q.shape[1]:]
@@ -92,6 +104,21 @@ class CpuAttention:
             k = torch.addcmul(k * cos2, k.roll(half, dims=-1), sin2)
         write_kv_cache(k, v, kv_cache, meta.slot_mapping, all_valid=self._slots_valid)
         return q, k
+
+    @property
+    def uses_native(self) -> bool:
+        """Whether the native CPU operators are on (``ROOFLM_CPU_NATIVE``, a compiler): float32 steps then rotate,
+        write and attend through them."""
+        return native_ops() is not None
+
+    def native_rope_write(self, qk: torch.Tensor, v: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor,
+                          kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The rotated qk heads [T, Hq + Hkv, D], K and V written, by the native operator (one call where torch
+        takes about six ops); None where it does not apply (the caller then runs torch's ops): not float32, a
+        quantized cache, no native library. The module path and the lean loop both come here, so they agree."""
+        if type(kv_cache) is not torch.Tensor or self._slots_end > kv_cache.shape[1] * kv_cache.shape[2]:
+            return None  # a slot out of range: torch's scatter raises the error
+        return native_rope_write(qk, v, cos2, sin2, kv_cache, meta.slot_mapping)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                sliding_window: int | None = None) -> torch.Tensor:
@@ -123,6 +150,21 @@ def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     return q.as_strided((t, hq + k.shape[1], d), q.stride())
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One token's attention over its whole context: q [1, Hq, D], k and v [L, Hkv, D] (position-major) ->
+    [1, Hq, D]. The native operator in float32 (``rooflm.kernels.cpu_native.ops``: one call, a few microseconds
+    where torch's flash kernel costs tens), else torch's ``scaled_dot_product_attention`` with query head h on KV
+    head h // group. ``attend_as_decode`` makes the same choice, so a verify step's token matches its decode step."""
+    out = native_attend(q, k, v, scale, [k.shape[0]])
+    if out is not None:
+        return out
+    _, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.view(1, hkv, hq // hkv, d)  # query head h uses KV head h // group
+    return F.scaled_dot_product_attention(qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                          scale=scale).view(1, hq, d)
+
+
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
             blocks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence, full attention. q [S, H, D] -> [S, H, D]. ``blocks``: the one sequence's block
@@ -134,10 +176,14 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
         seq_len = meta.seq_lens_cpu[0]
         if blocks is None:
             blocks = meta.block_tables[0, : (seq_len + block_size - 1) // block_size].long()
-        kv = _gather(kv_cache, blocks, q.dtype).flatten(1, 2)[:, :seq_len].transpose(1, 2)  # [2, Hkv, L, D]
-        k, v = kv[0:1], kv[1:2]
-        qg = q.view(1, num_kv_heads, group, head_dim)  # query head h uses KV head h // group
-        return F.scaled_dot_product_attention(qg, k, v, scale=scale).view(1, num_heads, head_dim)
+        if type(kv_cache) is torch.Tensor and kv_cache.dtype == q.dtype and kv_cache.is_contiguous():
+            # the native operator reads the context in place: the floats of the gathered copy, without the copy
+            planes = kv_cache.view(2, -1, num_kv_heads, head_dim)
+            out = native_attend(q, planes[0], planes[1], scale, [seq_len], blocks=blocks, block_size=block_size)
+            if out is not None:
+                return out
+        kv = _gather(kv_cache, blocks, q.dtype).flatten(1, 2)[:, :seq_len]  # [2, L, Hkv, D]
+        return decode_attention(q, kv[0], kv[1], scale)
     # several sequences: gather every table to the longest context and mask each sequence's tail
     max_blocks = (meta.max_seq_len + block_size - 1) // block_size
     tables = meta.block_tables[:, :max_blocks].long()
@@ -172,6 +218,15 @@ def decode_key_rows(q_len: int, seq_len: int, tree: torch.Tensor | None) -> list
     return [torch.cat((ctx, (seq_len - q_len) + row.nonzero().flatten())) for row in tree.to("cpu")]
 
 
+def decode_key_counts(t: int, length: int, rows: list[torch.Tensor] | None
+                      ) -> tuple[list[int], torch.Tensor | None]:
+    """The native attention's form of ``decode_key_rows``: keys per token, and their positions one list after
+    another (None for a causal step: token i reads the first length - t + i + 1 positions)."""
+    if rows is None:
+        return [length - t + i + 1 for i in range(t)], None
+    return [len(r) for r in rows], torch.cat(rows)
+
+
 def attend_as_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      rows: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of the last T positions of one sequence, each token through the decode step's own call.
@@ -186,6 +241,9 @@ def attend_as_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     call (SmolLM2's shape, 250 keys, one thread: 5 x 17 us, against 183 us unfused and 57 us fused for 5 tokens)."""
     t, hq, d = q.shape
     length, hkv, _ = k.shape
+    out = native_attend(q, k, v, scale, *decode_key_counts(t, length, rows))
+    if out is not None:  # the native operator computes each token on its own, as ``decode_attention`` does
+        return out
     out = torch.empty_like(q)
     for i in range(t):
         if rows is None:

@@ -23,6 +23,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(dtype)
 
 
+def cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm on the CPU path: the native operator for float32 (one call, ``rooflm.kernels.cpu_native.ops``), else
+    torch's fused ``rms_norm``. The module forward and the lean decoder loop both call this, so they agree."""
+    from rooflm.kernels.cpu_native.ops import rms_norm as native_rms_norm
+
+    out = native_rms_norm(x, weight, eps)
+    return out if out is not None else F.rms_norm(x, weight.shape, weight, eps)
+
+
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,12 +58,13 @@ class RMSNorm(CustomOp):
     def forward_cpu(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """torch's fused ``rms_norm`` (one op instead of six). It scales by the weight before the final rounding,
-        so in bfloat16 it may differ from the reference by one unit in the last place; float32 agrees to rounding."""
+        """``cpu_rms_norm``: the native operator in float32, else torch's fused ``rms_norm`` (one op instead of
+        six), which scales by the weight before the final rounding, so in bfloat16 it may differ from the reference
+        by one unit in the last place; float32 agrees to rounding."""
         if residual is None:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return cpu_rms_norm(x, self.weight, self.eps)
         residual = x + residual
-        return F.rms_norm(residual, self.weight.shape, self.weight, self.eps), residual
+        return cpu_rms_norm(residual, self.weight, self.eps), residual
 
     def forward_cuda(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -32,11 +32,12 @@ import torch.nn.functional as F
 from torch.nn.modules import module as nn_module
 
 from rooflm.attention.backend import AttentionMetadata
-from rooflm.attention.cpu_backend import CpuAttention, _decode
+from rooflm.attention.cpu_backend import CpuAttention, _decode, decode_attention
 from rooflm.kernels.cpu_native import NativeWeight, native_linear
 from rooflm.kernels.cpu_quant import COMPUTE_DTYPE, quant_linear_cpu
 from rooflm.layers.activation import SiluAndMul
 from rooflm.layers.custom_op import CPU, impl_generation
+from rooflm.layers.norm import cpu_rms_norm
 from rooflm.models.cpu_lean_seq import SeqStep, attend_seq, consecutive, seq_step_applies
 
 _int4mm = torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -156,6 +157,7 @@ class _DecodeOne:
     def __init__(self, backend: CpuAttention, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata) -> None:
         self.cos2, self.sin2 = backend._rope_tables(cos, sin)
+        self.backend = backend
         self.slots = meta.slot_mapping
         self.blocks = backend._decode_blocks
         self.seq_len = meta.seq_lens_cpu[0]
@@ -168,17 +170,35 @@ class _DecodeOne:
         self.act = None  # the bfloat16 input of the down projection, reused by every layer
 
 
+def rotate_and_write(step, qkv: torch.Tensor, hq: int, hkv: int, d: int, kv_cache: torch.Tensor,
+                     meta: AttentionMetadata) -> torch.Tensor:
+    """Rotary embedding of the step's q and k heads and the write of K and V to the cache: the backend's native
+    operator where it applies (a bfloat16 int4 product widened first, exactly, as the module path's cast does), else
+    the backend's torch maths in fewer ops. ``step``: a ``_DecodeOne`` or ``SeqStep`` (rotary tables and slots).
+    Returns the rotated heads [T, Hq + Hkv, D] (float32)."""
+    t = qkv.shape[0]
+    backend: CpuAttention = step.backend
+    heads = qkv.view(t, hq + 2 * hkv, d)
+    if backend.uses_native:
+        h32 = heads if heads.dtype == torch.float32 else heads.float()
+        rotated = backend.native_rope_write(h32[:, : hq + hkv], h32[:, hq + hkv:], step.cos2, step.sin2, kv_cache,
+                                            meta)
+        if rotated is not None:
+            return rotated
+    qk, v = heads[:, : hq + hkv], heads[:, hq + hkv:]
+    qk = torch.addcmul(qk * step.cos2, qk.roll(d // 2, dims=-1), step.sin2)  # float32
+    flat = kv_cache.view(2, kv_cache.shape[1] * kv_cache.shape[2], hkv, d)
+    flat.index_copy_(1, step.slots, torch.stack((qk[:, hq:], v)))  # stack promotes a bfloat16 v exactly
+    return qk
+
+
 def _attend_one(step: _DecodeOne, attn, qkv: torch.Tensor, hq: int, hkv: int, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
     """Rotary, cache write and attention of the one decoding sequence: the CPU backend's maths, in fewer ops.
     ``qkv`` [1, q | k | v] may be the bfloat16 product: the rotary products widen it to float32 exactly, as the
     explicit cast of the module path does. Returns [1, Hq, D]."""
     d = attn.head_dim
-    heads = qkv.view(1, hq + 2 * hkv, d)
-    qk, v = heads[:, : hq + hkv], heads[:, hq + hkv:]
-    qk = torch.addcmul(qk * step.cos2, qk.roll(d // 2, dims=-1), step.sin2)  # float32
-    flat = kv_cache.view(2, kv_cache.shape[1] * kv_cache.shape[2], hkv, d)
-    flat.index_copy_(1, step.slots, torch.stack((qk[:, hq:], v)))  # stack promotes a bfloat16 v exactly
+    qk = rotate_and_write(step, qkv, hq, hkv, d, kv_cache, meta)
     q = qk[:, :hq]
     if step.view is None:
         return _decode(q, kv_cache, meta, attn.scale, step.blocks)
@@ -186,8 +206,7 @@ def _attend_one(step: _DecodeOne, attn, qkv: torch.Tensor, hq: int, hkv: int, kv
     base = kv_cache.storage_offset()  # a cache may be a view into a larger buffer
     k = kv_cache.as_strided(size, stride, base + k_off)
     v = kv_cache.as_strided(size, stride, base + v_off)
-    qg = q.view(1, hkv, hq // hkv, d)  # query head h uses KV head h // group
-    return F.scaled_dot_product_attention(qg, k, v, scale=attn.scale).view(1, hq, d)
+    return decode_attention(q, k[0].transpose(0, 1), v[0].transpose(0, 1), attn.scale)
 
 
 def run_lean_layers(plan: list, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
@@ -214,7 +233,7 @@ def run_lean_layers(plan: list, hidden: torch.Tensor, residual: torch.Tensor | N
             residual = hidden
         else:
             residual = _add(hidden, residual)
-        qkv = _proj(F.rms_norm(residual, lay.shape, lay.w1, lay.eps1), lay.qkv, f_qkv)
+        qkv = _proj(cpu_rms_norm(residual, lay.w1, lay.eps1), lay.qkv, f_qkv)
         T = qkv.shape[0]
         if one is not None and lay.window is None:
             out = _attend_one(one, lay.attn, qkv, lay.hq, lay.hkv, kv_cache, meta)
@@ -227,7 +246,7 @@ def run_lean_layers(plan: list, hidden: torch.Tensor, residual: torch.Tensor | N
         hidden = _proj(out.reshape(T, lay.q_size), lay.o, f_o)
         # MLP block: residual += attention output; down(silu(gate) * up) of gate_up_proj(rms_norm(residual))
         residual = _add(hidden, residual)
-        gate_up = _proj(F.rms_norm(residual, lay.shape, lay.w2, lay.eps2), lay.gate_up, f_gu)
+        gate_up = _proj(cpu_rms_norm(residual, lay.w2, lay.eps2), lay.gate_up, f_gu)
         gate, up = gate_up.chunk(2, dim=-1)
         if type(f_down) is tuple and one is not None:
             # silu in float32, the product rounded to bfloat16 as it is stored: what ``.to(bfloat16)`` of the

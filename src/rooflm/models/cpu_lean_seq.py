@@ -16,8 +16,16 @@ import torch
 import torch.nn.functional as F
 
 from rooflm.attention.backend import AttentionMetadata
-from rooflm.attention.cpu_backend import (EXACT_MAX_QUERY, CpuAttention, _gather, attend_as_decode, decode_key_rows,
-                                          heads_first)
+from rooflm.attention.cpu_backend import (
+    EXACT_MAX_QUERY,
+    CpuAttention,
+    _gather,
+    attend_as_decode,
+    decode_key_counts,
+    decode_key_rows,
+    heads_first,
+)
+from rooflm.kernels.cpu_native.ops import attend as native_attend
 
 
 def consecutive(blocks: torch.Tensor) -> bool:
@@ -46,6 +54,7 @@ class SeqStep:
     def __init__(self, backend: CpuAttention, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata) -> None:
         self.cos2, self.sin2 = backend._rope_tables(cos, sin)
+        self.backend, self.meta = backend, meta
         self.slots = meta.slot_mapping
         _, _, bs, hkv, d = kv_cache.shape
         self.seq_len = seq_len = meta.seq_lens_cpu[0]
@@ -72,13 +81,18 @@ def attend_seq(step: SeqStep, attn, qkv: torch.Tensor, hq: int, hkv: int, kv_cac
     """Rotary, cache write and attention of the step's new tokens, with full attention (no sliding window).
     ``qkv`` [T, q | k | v] may be the bfloat16 product of a packed int4 projection: the rotary products and the
     stack of K with V widen it to float32 exactly, as the module path's explicit cast does. Returns [T, Hq, D]."""
+    from rooflm.models.cpu_lean import rotate_and_write
+
     d = attn.head_dim
-    t = qkv.shape[0]
-    heads = qkv.view(t, hq + 2 * hkv, d)
-    qk, v = heads[:, : hq + hkv], heads[:, hq + hkv:]
-    qk = torch.addcmul(qk * step.cos2, qk.roll(d // 2, dims=-1), step.sin2)  # float32
-    flat = kv_cache.view(2, kv_cache.shape[1] * kv_cache.shape[2], hkv, d)
-    flat.index_copy_(1, step.slots, torch.stack((qk[:, hq:], v)))
+    qk = rotate_and_write(step, qkv, hq, hkv, d, kv_cache, step.meta)
+    if step.view is None and step.as_decode and qk.dtype == kv_cache.dtype:
+        # the native operator reads the paged context in place (the floats of the gathered copy, without the copy)
+        planes = kv_cache.view(2, -1, hkv, d)
+        out = native_attend(qk[:, :hq], planes[0], planes[1], attn.scale,
+                            *decode_key_counts(qk.shape[0], step.seq_len, step.rows), blocks=step.blocks,
+                            block_size=kv_cache.shape[2])
+        if out is not None:
+            return out
     if step.view is None:
         kv = _gather(kv_cache, step.blocks, qk.dtype).flatten(1, 2)[:, : step.seq_len]  # [2, L, Hkv, D]
         k, v = kv[0], kv[1]

@@ -1,4 +1,4 @@
-"""Compile ``qmm.c`` once per machine and load it with ctypes.
+"""Compile ``qmm.c`` and ``ops.c`` once per machine and load it with ctypes.
 
 The library is built on first use with the system C compiler (``$CC``, else ``cc``) and ``-O3 -march=native``, so
 the instruction set (AVX512-VNNI, AVX2 or plain C) is the one of the machine that runs it. The shared object goes to
@@ -24,7 +24,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = "qmm.c"
+SOURCES = ("qmm.c", "ops.c")  # the quantized matmul; the small float ops of a decode step
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")  # + default_flags()
 MODES = ("auto", "on", "off")
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
@@ -55,8 +55,8 @@ def cache_dir() -> Path:
     return Path(base) / "rooflm"
 
 
-def _source_text() -> bytes:
-    return resources.files("rooflm.kernels.cpu_native").joinpath(SOURCE).read_bytes()
+def _source_texts() -> list[bytes]:
+    return [resources.files("rooflm.kernels.cpu_native").joinpath(name).read_bytes() for name in SOURCES]
 
 
 def _compiler_version(cc: str) -> str:
@@ -89,23 +89,25 @@ def build_library(extra_flags: tuple[str, ...] = ()) -> Path:
     cc = compiler()
     if shutil.which(cc) is None:
         raise NativeBuildError(f"no C compiler: {cc!r} is not on PATH (set CC to another one)")
-    src = _source_text()
+    srcs = _source_texts()
     flags = FLAGS + tuple(extra_flags)
     try:
         version = _compiler_version(cc)
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeBuildError(f"{cc} --version failed: {e}") from e
-    key = hashlib.sha256(b"\0".join([src, version.encode(), " ".join(flags).encode()])).hexdigest()[:20]
+    key = hashlib.sha256(b"\0".join([*srcs, version.encode(), " ".join(flags).encode()])).hexdigest()[:20]
     out_dir = cache_dir()
     target = out_dir / f"rooflm_qmm_{key}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
-        c_path = Path(tmp) / SOURCE
-        c_path.write_bytes(src)
+        c_paths = []
+        for name, src in zip(SOURCES, srcs, strict=True):
+            c_paths.append(Path(tmp) / name)
+            c_paths[-1].write_bytes(src)
         so_tmp = Path(tmp) / target.name
-        cmd = [cc, *flags, "-o", str(so_tmp), str(c_path), "-lm"]
+        cmd = [cc, *flags, "-o", str(so_tmp), *map(str, c_paths), "-lm"]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
         except (OSError, subprocess.SubprocessError) as e:
@@ -123,6 +125,17 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qmm_set_spin.argtypes = [ctypes.c_int]
     lib.qmm_matmul.restype = ctypes.c_int
     lib.qmm_matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.ops_rms_norm.restype = None
+    lib.ops_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64,
+                                 ctypes.c_int64]
+    lib.ops_attend.restype = ctypes.c_int
+    lib.ops_attend.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                               ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.ops_rope_write.restype = None
+    lib.ops_rope_write.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     spin = os.environ.get("ROOFLM_CPU_NATIVE_SPIN")
     if spin is not None:
         lib.qmm_set_spin(int(spin))

@@ -14,6 +14,7 @@ import torch
 from rooflm.quantization.packed import PackedWeight, codes
 
 BLOCK = 32
+GROUP_ROWS = 16  # output rows interleaved in the kernel's layout
 
 
 class _Weight(ctypes.Structure):
@@ -24,10 +25,11 @@ class _Weight(ctypes.Structure):
 
 @dataclass(eq=False)
 class NativeWeight:
-    """A weight in the native kernel's layout: ``codes`` uint8 [N, nb * 16] (4 bits) or [N, nb * 32] (8 bits),
-    ``scales`` / ``mins`` [N, nb] with nb the number of 32-column blocks rounded up to even; W = q * scale + min per
-    block (for 8 bits the stored code is q + 128). Scales and mins are float16 when that holds them exactly (GGUF's
-    block scales are float16: 20 bytes a block of Q4_1, as in the file), else float32."""
+    """A weight in the native kernel's layout (``qmm.c`` describes it): output rows in groups of 16, ``codes`` uint8
+    [groups, nb, 256] (4 bits) or [groups, nb, 512] (8 bits, the stored code is q + 128) with the 16 rows interleaved
+    four columns at a time, ``scales`` / ``mins`` [groups, nb, 16], nb the number of 32-column blocks; W = q * scale
+    + min per block. Scales and mins are float16 when that holds them exactly (GGUF's block scales are float16: 20
+    bytes a block of Q4_1, as in the file), else float32."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -57,10 +59,11 @@ def native_supports(pw: PackedWeight) -> bool:
     return pw.bits in (4, 8) and k % BLOCK == 0 and pw.group_size % BLOCK == 0 and pw.qweight.device.type == "cpu"
 
 
-def _blocks(t: torch.Tensor, group_size: int, nb: int) -> torch.Tensor:
-    """Per-group values [N, K / g] -> float32 per 32-block [N, nb] (padding blocks 0)."""
+def _blocks(t: torch.Tensor, group_size: int, ng: int) -> torch.Tensor:
+    """Per-group values [N, K / g] -> float32 per 32-column block, rows grouped: [ng, nb, 16] (padding rows 0)."""
     t = t.float().repeat_interleave(group_size // BLOCK, dim=1)
-    return torch.nn.functional.pad(t, (0, nb - t.shape[1])).contiguous()
+    t = torch.nn.functional.pad(t, (0, 0, 0, ng * GROUP_ROWS - t.shape[0]))
+    return t.view(ng, GROUP_ROWS, -1).transpose(1, 2).contiguous()
 
 
 def _exact_half(t: torch.Tensor | None) -> bool:
@@ -75,17 +78,17 @@ def pack_native(pw: PackedWeight, lib: ctypes.CDLL, half: bool | None = None) ->
                          f"in_features a multiple of 32 on the CPU, got bits={pw.bits}, group_size={pw.group_size}, "
                          f"in_features={pw.in_features}, device={pw.qweight.device}")
     n, k = pw.out_features, pw.in_features
-    nb = -(-k // BLOCK)
-    nb += nb % 2
+    nb, ng = k // BLOCK, -(-n // GROUP_ROWS)
     q = codes(pw)  # int16 [N, K]
-    q = torch.nn.functional.pad(q, (0, nb * BLOCK - k), value=0 if pw.bits == 4 else -128)
-    if pw.bits == 4:
-        pairs = q.to(torch.uint8).view(n, nb // 2, 2, BLOCK)
-        packed = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, nb * BLOCK // 2)
-    else:
-        packed = (q + 128).to(torch.uint8)
-    scales = _blocks(pw.scales, pw.group_size, nb)
-    mins = _blocks(pw.mins, pw.group_size, nb) if pw.mins is not None else None
+    q = torch.nn.functional.pad(q, (0, 0, 0, ng * GROUP_ROWS - n), value=0 if pw.bits == 4 else -128)
+    if pw.bits == 4:  # [g, r, b, octet, half, j] -> [g, b, octet, r, j], low nibble half 0, high nibble half 1
+        q = q.to(torch.uint8).view(ng, GROUP_ROWS, nb, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+        packed = q[..., 0] | (q[..., 1] << 4)
+    else:  # [g, r, b, quad, j] -> [g, b, quad, r, j]
+        packed = (q + 128).to(torch.uint8).view(ng, GROUP_ROWS, nb, 8, 4).permute(0, 2, 3, 1, 4)
+    packed = packed.reshape(ng, nb, -1)
+    scales = _blocks(pw.scales, pw.group_size, ng)
+    mins = _blocks(pw.mins, pw.group_size, ng) if pw.mins is not None else None
     exact = _exact_half(scales) and _exact_half(mins)
     if half and not exact:
         raise ValueError("half=True: the scales or mins of this weight are not exact in float16")

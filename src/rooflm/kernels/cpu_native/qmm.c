@@ -6,25 +6,29 @@
  *
  *     y[m, n] = sum_b  s_w[n, b] * d_x[m, b] * dot(q_w[n, b], q_x[m, b])  +  min_w[n, b] * d_x[m, b] * sum(q_x[m, b])
  *
- * for W = q_w * s_w + min_w. A row of weights is read once for all M activation rows, so a few-row product (a
- * speculative verify step) costs about what a one-row product does: the weights' bytes bound both.
+ * for W = q_w * s_w + min_w. Every path (AVX512-VNNI, AVX2, portable C) evaluates this in the same order, with one
+ * fused multiply-add per term (the scale terms and the min terms summed apart, then added), so their results are the same bits, and a row's result never depends on the other
+ * rows of the call: a speculative verify step of M rows scores each row exactly as a one-row decode step would.
  *
- * Weight layout (built by rooflm.kernels.cpu_native.matmul.pack_native): blocks come in pairs (the block count is
- * padded to an even number with zero codes and zero scales).
- *   4 bits: per row, per pair of blocks (2b, 2b + 1): 32 bytes; byte j holds column j of block 2b in its low nibble
- *           and column j of block 2b + 1 in its high nibble; codes are unsigned in [0, 15].
- *   8 bits: per row, per block: 32 bytes of unsigned codes u = q + 128 (the signed code q is u - 128).
- *   scales, mins: float32 [N, nb] (mins may be NULL).
- * The 8-bit codes are stored unsigned because VNNI's vpdpbusd multiplies unsigned by signed bytes; the offset is
- * removed in integer arithmetic (the accumulator starts at -128 * the activation codes' partial sums), so the
- * integer dot product stays exact.
+ * Weight layout (built by rooflm.kernels.cpu_native.matmul.pack_native): output rows in groups of 16 (N padded with
+ * zero rows), and for each group its 32-column blocks in order; within a (group, block) the 16 rows' codes are
+ * interleaved four columns at a time, so that one 512-bit vpdpbusd multiplies four columns of all 16 rows by the
+ * same four activation codes (broadcast) and leaves each row's partial sum in its own 32-bit lane: no horizontal
+ * reduction, and the unpacked weights of a block serve every activation row of the call. This is what makes a few-row
+ * product (a verify step) cost about what a one-row product does: the weights' bytes bound both.
+ *   4 bits: 256 bytes per (group, block): 4 x 64 bytes, octet o (columns 8o .. 8o + 7), byte 4r + j holds column
+ *           8o + j of row r in its low nibble and column 8o + 4 + j in its high nibble; unsigned codes in [0, 15].
+ *   8 bits: 512 bytes per (group, block): 8 x 64 bytes, quad t (columns 4t .. 4t + 3), byte 4r + j holds column
+ *           4t + j of row r as u = q + 128 (vpdpbusd multiplies unsigned by signed bytes; the offset is removed in
+ *           integer arithmetic by starting the sum at -128 * the activation codes' sum, so it stays exact).
+ *   scales, mins: [groups, blocks, 16] float32 or float16 (mins may be NULL).
  *
- * Instruction sets, chosen at compile time from -march: AVX512-VNNI (two blocks per 512-bit vpdpbusd), AVX2
- * (vpmaddubsw + vpmaddwd per block) and portable C. Rows are spread over threads in chunks: compiled with -fopenmp
- * (the loader does so when torch's own runtime is GNU libgomp, which this library then shares), on torch's OpenMP
- * threads; else on a small persistent pthread pool whose workers spin briefly after a call (a decode step makes about
- * a hundred calls a few microseconds apart), yielding their core, and then sleep on a condition variable. A second
- * set of spinning threads beside torch's would take turns with them for the two cores of a small machine.
+ * Instruction sets, chosen at compile time from -march: AVX512-VNNI, AVX2 (vpmaddubsw + vpmaddwd) and portable C.
+ * Groups of rows are spread over threads: compiled with -fopenmp (the loader does so when torch's own runtime is GNU
+ * libgomp, which this library then shares), on torch's OpenMP threads; else on a small persistent pthread pool whose
+ * workers spin briefly after a call (a decode step makes about a hundred calls a few microseconds apart), yielding
+ * their core, and then sleep on a condition variable. A second set of spinning threads beside torch's would take
+ * turns with them for the two cores of a small machine.
  */
 #include <math.h>
 #include <pthread.h>
@@ -56,8 +60,13 @@
 #endif
 
 #define BLK 32
-#define MT_MAX 8      /* activation rows per register tile */
-#define ROWS_CHUNK 16 /* output rows a thread takes at a time */
+#define GR 16         /* output rows interleaved in a group */
+#if QMM_ISA == 1
+#define MT_MAX 4      /* activation rows per register tile: AVX2 has 16 vector registers */
+#else
+#define MT_MAX 8
+#endif
+#define ROWS_CHUNK GR /* output rows a thread takes at a time: one group */
 #define MAX_THREADS 256
 
 typedef struct {
@@ -65,7 +74,7 @@ typedef struct {
     const void *scales; /* float32, or float16 when f16 */
     const void *mins;   /* as scales; NULL: no min term */
     int64_t n, k;       /* output rows, input columns (k % 32 == 0) */
-    int64_t nb;         /* blocks per row, padded to even */
+    int64_t nb;         /* blocks per row */
     int64_t bits;       /* 4 or 8 */
     int64_t f16;        /* scales and mins stored as IEEE half (exact for GGUF's fp16 block scales) */
 } qmm_weight;
@@ -91,7 +100,7 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
-/* scale or min i of a row, either storage */
+/* scale or min i, either storage */
 static inline __attribute__((always_inline)) float ld(const void *p, int64_t i, const int f16) {
     return f16 ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
@@ -102,220 +111,227 @@ int qmm_isa(void) { return QMM_ISA; }
 static int8_t *s_qx;    /* [M, nb * 32] codes */
 static float *s_d;      /* [M, nb] block scales */
 static float *s_c;      /* [M, nb] d * sum(codes): the min term's factor */
-static float *s_dv;     /* [M, nb, 8] d repeated over a block's 8 int32 lanes (AVX512) */
-static int32_t *s_corr; /* [M, nb, 8] -128 * partial code sums, the 8-bit codes' offset (AVX512) */
+static int32_t *s_off;  /* [M, nb] -128 * sum(codes): the 8-bit codes' offset */
 static size_t s_cap;    /* elements of s_qx allocated */
 
 static int grow(size_t nq) {
     if (nq <= s_cap) return 0;
-    free(s_qx); free(s_d); free(s_c); free(s_dv); free(s_corr);
-    s_qx = NULL; s_d = s_c = s_dv = NULL; s_corr = NULL; s_cap = 0;
+    free(s_qx); free(s_d); free(s_c); free(s_off);
+    s_qx = NULL; s_d = s_c = NULL; s_off = NULL; s_cap = 0;
     size_t nblk = nq / BLK;
     if (posix_memalign((void **)&s_qx, 64, nq) || posix_memalign((void **)&s_d, 64, nblk * 4) ||
-        posix_memalign((void **)&s_c, 64, nblk * 4) || posix_memalign((void **)&s_dv, 64, nblk * 32) ||
-        posix_memalign((void **)&s_corr, 64, nblk * 32))
+        posix_memalign((void **)&s_c, 64, nblk * 4) || posix_memalign((void **)&s_off, 64, nblk * 4))
         return -1;
     s_cap = nq;
     return 0;
 }
 
-static void quantize_block(const float *x, int valid, int odd, int8_t *q, float *d, float *c, float *dv,
-                           int32_t *corr) {
-    float amax = 0.f;
-    for (int i = 0; i < valid; i++) amax = fmaxf(amax, fabsf(x[i]));
-    float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-    int sum = 0;
-    for (int i = 0; i < BLK; i++) {
-        int v = i < valid ? (int)nearbyintf(x[i] * id) : 0;
-        q[i] = (int8_t)v;
-        sum += v;
-    }
-    *d = dd;
-    *c = dd * (float)sum;
-#if QMM_ISA == 2
-    /* the AVX512 path masks a 4-bit pair's odd block in place (16 q) instead of shifting it: 1/16 is exact */
-    const float dodd = odd ? dd / 16.f : dd;
-#else
-    const float dodd = dd;
-    (void)odd;
-#endif
-    for (int j = 0; j < 8; j++) {
-        dv[j] = dodd;
-        corr[j] = -128 * (q[4 * j] + q[4 * j + 1] + q[4 * j + 2] + q[4 * j + 3]);
-    }
-}
-
-static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t nb, int odd16) {
+static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t nb) {
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < nb; b++) {
-            int64_t i = r * nb + b;
-            int valid = b * BLK < k ? BLK : 0;
-            quantize_block(x + r * k + b * BLK, valid, odd16 && (b & 1), s_qx + i * BLK, s_d + i, s_c + i, s_dv + i * 8, s_corr + i * 8);
+            const int64_t i = r * nb + b;
+            const float *xb = x + r * k + b * BLK;
+            int8_t *q = s_qx + i * BLK;
+            float amax = 0.f;
+            for (int j = 0; j < BLK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+            const float id = amax > 0.f ? 127.f / amax : 0.f;
+            int sum = 0;
+            for (int j = 0; j < BLK; j++) {
+                const int v = (int)nearbyintf(xb[j] * id);
+                q[j] = (int8_t)v;
+                sum += v;
+            }
+            s_d[i] = amax / 127.f;
+            s_c[i] = s_d[i] * (float)sum;
+            s_off[i] = -128 * sum;
         }
 }
 
-/* ---- one output row against a tile of mt activation rows ---- */
+/* ---- one group of 16 output rows against a tile of mt activation rows: out[i * 16 + r] ----
+ * Per block, each path forms the exact integer dot product, then acc = fma(dot, s_w * d_x, acc) and
+ * acc_min = fma(min_w, c_x, acc_min); the result is acc + acc_min (two accumulators: two shorter chains of dependent
+ * multiply-adds). */
 #if QMM_ISA == 2
-/* the pair (2p, 2p + 1) of a row's scales or mins as [s0 x 8, s1 x 8] */
-static inline __attribute__((always_inline)) __m512 pair_vec(const void *p, int64_t i, const int f16) {
-    const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    __m512 v;
-    if (f16)
-        v = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_loadu_si32((const uint16_t *)p + i)));
-    else
-        v = _mm512_maskz_loadu_ps(3, (const float *)p + i);
-    return _mm512_permutexvar_ps(pick, v);
+static inline __attribute__((always_inline)) __m512 vec16(const void *p, int64_t i, const int f16) {
+    return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+               : _mm512_loadu_ps((const float *)p + i);
 }
 
-static inline __attribute__((always_inline)) void row_tile(const qmm_weight *w, int64_t n, int64_t m0, const int mt,
-                                                           const int f16, float *out) {
-    const int64_t nb = w->nb, np = nb / 2;
-    __m512 acc[MT_MAX];
-    for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
-    /* a pair's 32 bytes twice: the low nibbles give block 2p, the high ones 16 x block 2p + 1 (its activation
-     * scale carries the 1/16), with one AND and no shift */
-    const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8((char)0xF0), 1);
-    const int8_t *qx = s_qx + m0 * nb * BLK;
-    const float *dv = s_dv + m0 * nb * 8;
-    const int32_t *corr = s_corr + m0 * nb * 8;
-    if (w->bits == 4) {
-        const uint8_t *wc = w->codes + n * nb * 16;
-        for (int64_t p = 0; p < np; p++) {
-            __m512i q = _mm512_and_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(wc + p * 32))),
-                                         nib);
-            __m512 sw = pair_vec(w->scales, n * nb + 2 * p, f16);
-            for (int i = 0; i < mt; i++) {
-                __m512i xi = _mm512_loadu_si512(qx + i * nb * BLK + p * 64);
-                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xi);
-                __m512 s = _mm512_mul_ps(sw, _mm512_loadu_ps(dv + i * nb * 8 + p * 16));
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[i]);
+static inline __attribute__((always_inline)) __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+static inline __attribute__((always_inline)) void group_tile(const qmm_weight *w, int64_t g, int64_t m0, const int mt,
+                                                             const int f16, float *out) {
+    const int64_t nb = w->nb;
+    __m512 acc[MT_MAX], accm[MT_MAX];
+    for (int i = 0; i < mt; i++) acc[i] = accm[i] = _mm512_setzero_ps();
+    const __m512i lo4 = _mm512_set1_epi8(0x0F), hi4 = _mm512_set1_epi8((char)0xF0);
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t gb = g * nb + b;
+        __m512i wq[8];
+        if (w->bits == 4) {
+            /* wq[t] holds columns 4t .. 4t + 3 of the 16 rows; for odd t (high nibbles) 16 times the codes: masked in
+             * place, no shift; their sums (the a1 chain below) are divided by 16 exactly before they are added */
+            const uint8_t *c = w->codes + gb * 256;
+            for (int o = 0; o < 4; o++) {
+                __m512i v = _mm512_loadu_si512(c + 64 * o);
+                wq[2 * o] = _mm512_and_si512(v, lo4);
+                wq[2 * o + 1] = _mm512_and_si512(v, hi4);
             }
+        } else {
+            const uint8_t *c = w->codes + gb * 512;
+            for (int t = 0; t < 8; t++) wq[t] = _mm512_loadu_si512(c + 64 * t);
         }
-    } else {
-        const uint8_t *wc = w->codes + n * nb * 32;
-        for (int64_t p = 0; p < np; p++) {
-            __m512i q = _mm512_loadu_si512(wc + p * 64);
-            __m512 sw = pair_vec(w->scales, n * nb + 2 * p, f16);
-            for (int i = 0; i < mt; i++) {
-                __m512i xi = _mm512_loadu_si512(qx + i * nb * BLK + p * 64);
-                __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(corr + i * nb * 8 + p * 16), q, xi);
-                __m512 s = _mm512_mul_ps(sw, _mm512_loadu_ps(dv + i * nb * 8 + p * 16));
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[i]);
+        const __m512 sw = vec16(w->scales, gb * GR, f16);
+        const __m512 mn = w->mins ? vec16(w->mins, gb * GR, f16) : _mm512_setzero_ps();
+        for (int i = 0; i < mt; i++) {
+            const int64_t xi = (m0 + i) * nb + b;
+            const int8_t *x = s_qx + xi * BLK;
+            /* two chains of four dependent vpdpbusd (even and odd t); integer sums, so the split does not change
+             * the result (for 4 bits the odd chain's sum is 16 x the true one: at most 4 * 4 * 240 * 127 in a lane) */
+            __m512i a0 = w->bits == 8 ? _mm512_set1_epi32(s_off[xi]) : _mm512_setzero_si512();
+            __m512i a1 = _mm512_setzero_si512();
+            for (int t = 0; t < 8; t += 2) {
+                a0 = _mm512_dpbusd_epi32(a0, wq[t], bcast4(x + 4 * t));
+                a1 = _mm512_dpbusd_epi32(a1, wq[t + 1], bcast4(x + 4 * t + 4));
             }
+            const __m512 s = _mm512_mul_ps(sw, _mm512_set1_ps(s_d[xi]));
+            if (w->bits == 4) a1 = _mm512_srai_epi32(a1, 4);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), s, acc[i]);
+            if (w->mins) accm[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(s_c[xi]), accm[i]);
         }
     }
-    if (w->mins) {
-        for (int64_t b = 0; b < nb; b += 16) {
-            __mmask16 k = nb - b >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - b)) - 1);
-            __m512 mv = f16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)w->mins + n * nb + b))
-                            : _mm512_maskz_loadu_ps(k, (const float *)w->mins + n * nb + b);
-            for (int i = 0; i < mt; i++)
-                acc[i] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, s_c + (m0 + i) * nb + b), acc[i]);
-        }
-    }
-    for (int i = 0; i < mt; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
+    for (int i = 0; i < mt; i++) _mm512_storeu_ps(out + i * GR, _mm512_add_ps(acc[i], accm[i]));
 }
 #elif QMM_ISA == 1
-static inline __attribute__((always_inline)) __m256 block_dot(__m256i q, __m256i x, int bits) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    if (bits == 8) { /* signed codes; |q| * sign(x, q): pairs sum to at most 2 * 128 * 127, no saturation */
-        q = _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80));
-        x = _mm256_sign_epi8(x, q);
-        q = _mm256_abs_epi8(q);
-    }
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones));
+static inline __attribute__((always_inline)) __m256 vec8(const void *p, int64_t i, const int f16) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+               : _mm256_loadu_ps((const float *)p + i);
 }
 
-static inline __attribute__((always_inline)) void row_tile(const qmm_weight *w, int64_t n, int64_t m0, const int mt,
-                                                           const int f16, float *out) {
+static inline __attribute__((always_inline)) __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* rows 8h .. 8h + 7 of the group, one half at a time (16 registers) */
+static inline __attribute__((always_inline)) void half_tile(const qmm_weight *w, int64_t g, int h, int64_t m0,
+                                                            const int mt, const int f16, float *out) {
     const int64_t nb = w->nb;
-    __m256 acc[MT_MAX];
-    for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
-    const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    const int8_t *qx = s_qx + m0 * nb * BLK;
-    const float *d = s_d + m0 * nb;
-    for (int64_t b = 0; b < nb; b += 2) {
-        __m256i q0, q1;
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[MT_MAX], accm[MT_MAX];
+    for (int i = 0; i < mt; i++) acc[i] = accm[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t gb = g * nb + b;
+        const __m256 sw = vec8(w->scales, gb * GR + 8 * h, f16);
         if (w->bits == 4) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(w->codes + n * nb * 16 + b * 16));
-            q0 = _mm256_and_si256(v, lo4);
-            q1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+            const uint8_t *c = w->codes + gb * 256 + 32 * h;
+            __m256i wq[8];
+            for (int o = 0; o < 4; o++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * o));
+                wq[2 * o] = _mm256_and_si256(v, lo4);
+                wq[2 * o + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+            }
+            for (int i = 0; i < mt; i++) {
+                const int64_t xi = (m0 + i) * nb + b;
+                const int8_t *x = s_qx + xi * BLK;
+                /* 16-bit pair sums of codes <= 15 times |x| <= 127: eight of them stay below 2^15 */
+                __m256i p16 = _mm256_maddubs_epi16(wq[0], bcast4(x));
+                for (int t = 1; t < 8; t++) p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(wq[t], bcast4(x + 4 * t)));
+                const __m256i dot = _mm256_madd_epi16(p16, ones);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, _mm256_set1_ps(s_d[xi])), acc[i]);
+            }
         } else {
-            q0 = _mm256_loadu_si256((const __m256i *)(w->codes + n * nb * 32 + b * 32));
-            q1 = _mm256_loadu_si256((const __m256i *)(w->codes + n * nb * 32 + b * 32 + 32));
+            const uint8_t *c = w->codes + gb * 512 + 32 * h;
+            for (int i = 0; i < mt; i++) {
+                const int64_t xi = (m0 + i) * nb + b;
+                const int8_t *x = s_qx + xi * BLK;
+                __m256i dot = _mm256_setzero_si256();
+                for (int t = 0; t < 8; t++) {
+                    /* signed codes; |q| * sign(x, q): a pair sums to at most 2 * 128 * 127, no saturation */
+                    const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(c + 64 * t)),
+                                                       _mm256_set1_epi8((char)0x80));
+                    const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(bcast4(x + 4 * t), q));
+                    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, ones));
+                }
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, _mm256_set1_ps(s_d[xi])), acc[i]);
+            }
         }
-        const float s0 = ld(w->scales, n * nb + b, f16), s1 = ld(w->scales, n * nb + b + 1, f16);
-        for (int i = 0; i < mt; i++) {
-            const int8_t *xi = qx + i * nb * BLK + b * BLK;
-            __m256 p0 = block_dot(q0, _mm256_loadu_si256((const __m256i *)xi), (int)w->bits);
-            __m256 p1 = block_dot(q1, _mm256_loadu_si256((const __m256i *)(xi + BLK)), (int)w->bits);
-            acc[i] = _mm256_fmadd_ps(p0, _mm256_set1_ps(s0 * d[i * nb + b]), acc[i]);
-            acc[i] = _mm256_fmadd_ps(p1, _mm256_set1_ps(s1 * d[i * nb + b + 1]), acc[i]);
+        if (w->mins) {
+            const __m256 mn = vec8(w->mins, gb * GR + 8 * h, f16);
+            for (int i = 0; i < mt; i++) accm[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(s_c[(m0 + i) * nb + b]), accm[i]);
         }
     }
-    for (int i = 0; i < mt; i++) {
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        float r = _mm_cvtss_f32(s);
-        if (w->mins)
-            for (int64_t b = 0; b < nb; b++) r += ld(w->mins, n * nb + b, f16) * s_c[(m0 + i) * nb + b];
-        out[i] = r;
-    }
+    for (int i = 0; i < mt; i++) _mm256_storeu_ps(out + i * GR + 8 * h, _mm256_add_ps(acc[i], accm[i]));
+}
+
+static inline __attribute__((always_inline)) void group_tile(const qmm_weight *w, int64_t g, int64_t m0, const int mt,
+                                                             const int f16, float *out) {
+    half_tile(w, g, 0, m0, mt, f16, out);
+    half_tile(w, g, 1, m0, mt, f16, out);
 }
 #else
-/* Not auto-vectorised: GCC 12 with VNNI enabled turns the 8-bit loop below into a wrong dot product. */
+/* Not auto-vectorised: GCC 12 with VNNI enabled turned an 8-bit dot product loop of this shape into a wrong one. */
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("no-tree-vectorize")))
 #endif
-static inline void row_tile(const qmm_weight *w, int64_t n, int64_t m0, const int mt, const int f16, float *out) {
+static inline void group_tile(const qmm_weight *w, int64_t g, int64_t m0, const int mt, const int f16, float *out) {
     const int64_t nb = w->nb;
-    for (int i = 0; i < mt; i++) {
-        const int8_t *qx = s_qx + (m0 + i) * nb * BLK;
-        float r = 0.f;
-        for (int64_t b = 0; b < nb; b++) {
-            const int8_t *xb = qx + b * BLK;
-            int32_t dot = 0;
-            if (w->bits == 4) {
-                const uint8_t *c = w->codes + n * nb * 16 + (b / 2) * 32;
-                const int shift = (b & 1) ? 4 : 0;
-                for (int j = 0; j < BLK; j++) dot += ((c[j] >> shift) & 0x0F) * xb[j];
-            } else {
-                const uint8_t *c = w->codes + n * nb * 32 + b * 32;
-                for (int j = 0; j < BLK; j++) dot += ((int)c[j] - 128) * xb[j];
+    for (int i = 0; i < mt; i++)
+        for (int r = 0; r < GR; r++) {
+            float acc = 0.f, accm = 0.f;
+            for (int64_t b = 0; b < nb; b++) {
+                const int64_t gb = g * nb + b, xi = (m0 + i) * nb + b;
+                const int8_t *x = s_qx + xi * BLK;
+                int32_t dot = 0;
+                for (int col = 0; col < BLK; col++) {
+                    int q;
+                    if (w->bits == 4) {
+                        const uint8_t byte = w->codes[gb * 256 + 64 * (col / 8) + 4 * r + (col % 4)];
+                        q = (col % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
+                    } else {
+                        q = (int)w->codes[gb * 512 + 64 * (col / 4) + 4 * r + (col % 4)] - 128;
+                    }
+                    dot += q * x[col];
+                }
+                const float s = ld(w->scales, gb * GR + r, f16) * s_d[xi];
+                acc = fmaf((float)dot, s, acc);
+                if (w->mins) accm = fmaf(ld(w->mins, gb * GR + r, f16), s_c[xi], accm);
             }
-            r += ld(w->scales, n * nb + b, f16) * s_d[(m0 + i) * nb + b] * (float)dot;
-            if (w->mins) r += ld(w->mins, n * nb + b, f16) * s_c[(m0 + i) * nb + b];
+            out[i * GR + r] = acc + accm;
         }
-        out[i] = r;
-    }
 }
 #endif
 
+/* output rows n0 .. n1 - 1 (n0 a multiple of 16) for all m activation rows */
 static void rows(const qmm_weight *w, int64_t m, float *y, int64_t n0, int64_t n1) {
-    float out[MT_MAX];
-    for (int64_t n = n0; n < n1; n++)
+    float out[MT_MAX * GR] __attribute__((aligned(64)));
+    for (int64_t n = n0; n < n1; n += GR) {
+        const int64_t g = n / GR, nr = n1 - n < GR ? n1 - n : GR;
         for (int64_t m0 = 0; m0 < m; m0 += MT_MAX) {
             int64_t mt = m - m0 < MT_MAX ? m - m0 : MT_MAX;
             /* constant tile sizes and scale storage: the compiler keeps the accumulators in registers */
-#define QMM_TILES(F16)                                     \
-    switch (mt) {                                          \
-    case 1: row_tile(w, n, m0, 1, F16, out); break;        \
-    case 2: row_tile(w, n, m0, 2, F16, out); break;        \
-    case 3: row_tile(w, n, m0, 3, F16, out); break;        \
-    case 4: row_tile(w, n, m0, 4, F16, out); break;        \
-    case 5: row_tile(w, n, m0, 5, F16, out); break;        \
-    case 6: row_tile(w, n, m0, 6, F16, out); break;        \
-    case 7: row_tile(w, n, m0, 7, F16, out); break;        \
-    default: row_tile(w, n, m0, 8, F16, out); break;       \
-    }
+#define QMM_TILE(MT, F16) case MT: group_tile(w, g, m0, MT, F16, out); break;
+#if MT_MAX == 8
+#define QMM_TILES(F16) switch (mt) { QMM_TILE(1, F16) QMM_TILE(2, F16) QMM_TILE(3, F16) QMM_TILE(4, F16) \
+                                     QMM_TILE(5, F16) QMM_TILE(6, F16) QMM_TILE(7, F16) default: \
+                                     group_tile(w, g, m0, 8, F16, out); break; }
+#else
+#define QMM_TILES(F16) switch (mt) { QMM_TILE(1, F16) QMM_TILE(2, F16) QMM_TILE(3, F16) default: \
+                                     group_tile(w, g, m0, 4, F16, out); break; }
+#endif
             if (w->f16) {
                 QMM_TILES(1)
             } else {
                 QMM_TILES(0)
             }
-            for (int64_t i = 0; i < mt; i++) y[(m0 + i) * w->n + n] = out[i];
+            for (int64_t i = 0; i < mt; i++) memcpy(y + (m0 + i) * w->n + n, out + i * GR, nr * sizeof(float));
         }
+    }
 }
 
 /* ---- thread pool ----
@@ -411,13 +427,13 @@ void qmm_set_spin(int iters) { spin_iters = iters < 0 ? 0 : iters; }
  * arguments. */
 int qmm_matmul(const qmm_weight *w, const float *x, float *y, int64_t m, int nthreads) {
     if (m <= 0 || w->n <= 0) return 0;
-    if (w->k <= 0 || w->k % BLK || w->nb * BLK < w->k || w->nb % 2 || (w->bits != 4 && w->bits != 8)) return -2;
+    if (w->k <= 0 || w->k % BLK || w->nb * BLK != w->k || (w->bits != 4 && w->bits != 8)) return -2;
     pthread_mutex_lock(&call_mu);
     if (grow((size_t)(m * w->nb * BLK))) {
         pthread_mutex_unlock(&call_mu);
         return -1;
     }
-    quantize_rows(x, m, w->k, w->nb, w->bits == 4);
+    quantize_rows(x, m, w->k, w->nb);
     int64_t nchunks = (w->n + ROWS_CHUNK - 1) / ROWS_CHUNK;
     int workers = nthreads - 1;
     if (workers > nchunks - 1) workers = (int)(nchunks - 1);

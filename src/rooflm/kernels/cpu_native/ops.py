@@ -1,0 +1,108 @@
+"""The float32 operators of ``ops.c`` (RMSNorm and decode-style attention) for the CPU path.
+
+Every caller of an operator here, the module forward and the lean decoder loop alike, goes through ``native_ops()``,
+so both paths pick the same implementation (the native one whenever the library is available, ``ROOFLM_CPU_NATIVE``
+allowing) and so compute the same floats. Each function returns None when it does not take its input (not float32,
+not on the CPU, no library); the caller then runs torch's operator.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from rooflm.kernels.cpu_native.build import native_library
+
+
+def native_ops() -> ctypes.CDLL | None:
+    """The library when the native CPU operators are on (the same switch as the quantized matmul's), else None."""
+    return native_library()
+
+
+def _takes(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last dimension, or None (see the module docstring)."""
+    lib = native_ops()
+    if lib is None or not _takes(x, weight) or weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
+        return None
+    x = x.contiguous()
+    w = weight.contiguous()
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    lib.ops_rms_norm(x.data_ptr(), w.data_ptr(), float(eps), out.data_ptr(), x.numel() // max(dim, 1), dim)
+    return out
+
+
+def _rows(k: torch.Tensor) -> int | None:
+    """Floats between consecutive positions of k [L, Hkv, D] when its heads and features are packed, else None."""
+    _, hkv, d = k.shape
+    return k.stride(0) if k.stride(2) == 1 and k.stride(1) == d else None
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, nkeys: list[int],
+           positions: torch.Tensor | None = None, blocks: torch.Tensor | None = None,
+           block_size: int = 0) -> torch.Tensor | None:
+    """Attention of T query tokens q [T, Hq, D] over k, v [L, Hkv, D] (position-major); token t reads the first
+    ``nkeys[t]`` positions, or with ``positions`` (int64, the lists of all tokens one after another) the next
+    ``nkeys[t]`` of them. With ``blocks`` (int64 block indices) k and v are a paged cache's planes [num_blocks *
+    block_size, Hkv, D] and position p lives at row ``blocks[p // block_size] * block_size + p % block_size``: read
+    in place, without gathering the context. Returns [T, Hq, D], or None (see the module docstring)."""
+    lib = native_ops()
+    if lib is None or not _takes(q, k, v):
+        return None
+    rs = _rows(k)
+    if rs is None or _rows(v) != rs:
+        return None
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    length = k.shape[0]
+    blocks_ptr = None
+    if blocks is not None:
+        blocks = blocks.to(torch.int64).contiguous()
+        if block_size < 1 or blocks.numel() == 0 or int(blocks.max()) >= length // block_size or int(blocks.min()) < 0:
+            raise ValueError(f"blocks: block indices in [0, {length // max(block_size, 1)}) and block_size >= 1 "
+                             f"expected, got block_size={block_size}")
+        blocks_ptr = blocks.data_ptr()
+        length = blocks.numel() * block_size
+    if len(nkeys) != t or min(nkeys, default=1) < 1 or max(nkeys, default=0) > length:
+        raise ValueError(f"nkeys={nkeys}: expected {t} key counts in [1, {length}]")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    counts = (ctypes.c_int64 * t)(*nkeys)
+    pos = None
+    if positions is not None:
+        positions = positions.to(torch.int64).contiguous()
+        if positions.numel() != sum(nkeys) or (positions.numel() and int(positions.max()) >= length):
+            raise ValueError(f"positions: expected {sum(nkeys)} entries below {length}, got {positions.numel()}")
+        pos = positions.data_ptr()
+    rc = lib.ops_attend(q.data_ptr(), out.data_ptr(), t, hq, hkv, d, float(scale), k.data_ptr(), v.data_ptr(), rs,
+                        counts, pos, blocks_ptr, block_size, torch.get_num_threads())
+    if rc:
+        raise MemoryError(f"native attention failed (code {rc}) for {t} tokens over {max(nkeys)} keys")
+    return out
+
+
+def rope_write(qk: torch.Tensor, v: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, kv_cache: torch.Tensor,
+               slots: torch.Tensor) -> torch.Tensor | None:
+    """Rotary embedding of qk [T, Hq + Hkv, D] (``x * cos2 + roll(x, D / 2) * sin2``, tables [T, 1, D]) and the write
+    of the rotated K (the last Hkv heads) and of v [T, Hkv, D] to ``kv_cache`` [2, blocks, block size, Hkv, D] at
+    ``slots`` (negative: not written). Returns the rotated heads [T, Hq + Hkv, D] (contiguous), or None (see the
+    module docstring; also when the rows' heads are not packed or the cache is not contiguous)."""
+    lib = native_ops()
+    if lib is None or not _takes(qk, v, cos2, sin2, kv_cache) or not kv_cache.is_contiguous():
+        return None
+    t, heads, d = qk.shape
+    hkv = v.shape[1]
+    if (qk.stride(2) != 1 or qk.stride(1) != d or v.stride(2) != 1 or v.stride(1) != d or d % 2
+            or kv_cache.shape[-2:] != (hkv, d) or cos2.numel() != t * d or sin2.numel() != t * d):
+        return None
+    cos2, sin2 = cos2.contiguous(), sin2.contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    out = torch.empty(t, heads, d)
+    lib.ops_rope_write(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), cos2.data_ptr(), sin2.data_ptr(), t,
+                       heads - hkv, hkv, d, out.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                       slots.data_ptr())
+    return out
