@@ -1,0 +1,161 @@
+"""The native CPU float32 operators (``rooflm.kernels.cpu_native.ops``): RMSNorm, rotary embedding + cache write and
+decode-style attention. Checked against torch's maths, for the properties the CPU path relies on (each token's
+attention computed on its own, the paged cache read in place with the floats of a gathered copy, results that do not
+depend on the thread count), against the portable C build, and for the errors bad arguments get."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rooflm.kernels.cpu_native import load_library, ops
+from rooflm.kernels.cpu_native import build as native_build
+
+
+@pytest.fixture(autouse=True)
+def _native(monkeypatch):
+    monkeypatch.setenv("ROOFLM_CPU_NATIVE", "on")  # a missing compiler fails here rather than skipping the checks
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One token q [Hq, D] over k, v [L, Hkv, D], in float64 (query head h on KV head h // group)."""
+    hq, d = q.shape
+    hkv = k.shape[1]
+    kk = k.double().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, L, D]
+    vv = v.double().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+    p = torch.softmax((kk @ q.double()[:, :, None]).squeeze(-1) * scale, dim=-1)
+    return (p[:, None, :] @ vv).squeeze(1).float()
+
+
+def _qkv(t: int, length: int, hq: int = 9, hkv: int = 3, d: int = 64, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(t, hq, d, generator=gen), torch.randn(length, hkv, d, generator=gen),
+            torch.randn(length, hkv, d, generator=gen))
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 576), (5, 576), (3, 100), (2, 7)])
+def test_rms_norm_matches_torch_and_rows_are_independent(rows, dim):
+    gen = torch.Generator().manual_seed(dim)
+    x, w = torch.randn(rows, dim, generator=gen) * 3, torch.randn(dim, generator=gen)
+    out = ops.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(out, F.rms_norm(x, (dim,), w, 1e-6), rtol=2e-6, atol=2e-6)
+    for i in range(rows):
+        assert torch.equal(ops.rms_norm(x[i:i + 1], w, 1e-6), out[i:i + 1])
+
+
+@pytest.mark.parametrize("hq,hkv,d,length", [(9, 3, 64, 250), (4, 4, 32, 17), (8, 2, 128, 40), (6, 3, 24, 33)])
+def test_attention_matches_softmax_attention(hq, hkv, d, length):
+    """Head dims that are multiples of 16 take the vector path, others (24) the portable one."""
+    q, k, v = _qkv(3, length, hq, hkv, d, seed=length)
+    counts = [length - 2, length - 1, length]
+    out = ops.attend(q, k, v, d ** -0.5, counts)
+    for t, n in enumerate(counts):
+        torch.testing.assert_close(out[t], _sdpa(q[t], k[:n], v[:n], d ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_each_token_is_computed_on_its_own():
+    """A verify step's token gets the floats of the decode step at its position, bit for bit."""
+    q, k, v = _qkv(5, 120)
+    counts = [116, 117, 118, 119, 120]
+    out = ops.attend(q, k, v, 0.125, counts)
+    for t, n in enumerate(counts):
+        assert torch.equal(ops.attend(q[t:t + 1], k[:n], v[:n], 0.125, [n]), out[t:t + 1])
+
+
+def test_explicit_positions_read_just_those_keys():
+    """A token tree's token reads the context and its ancestors: the keys at its listed positions."""
+    q, k, v = _qkv(2, 50)
+    rows = [torch.tensor([0, 3, 9, 49]), torch.arange(0, 50, 2)]
+    out = ops.attend(q, k, v, 0.125, [len(r) for r in rows], torch.cat(rows))
+    for t, r in enumerate(rows):
+        assert torch.equal(out[t:t + 1], ops.attend(q[t:t + 1], k[r], v[r], 0.125, [len(r)]))
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_paged_cache_is_read_in_place_with_the_gathered_floats(tree):
+    """With a block table the context is read from the cache's scattered blocks: the same bits as attention over
+    the gathered context."""
+    bs, hkv, d, length = 16, 3, 64, 70
+    blocks = torch.tensor([6, 2, 9, 0, 4])
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(2, 10, bs, hkv, d, generator=gen)
+    q = torch.randn(2, 9, d, generator=gen)
+    gathered = cache[:, blocks].flatten(1, 2)[:, :length]  # [2, L, Hkv, D]
+    planes = cache.view(2, -1, hkv, d)
+    if tree:
+        rows = [torch.tensor([0, 17, 33, 68]), torch.tensor([1, 2, 69])]
+        counts, positions = [4, 3], torch.cat(rows)
+    else:
+        counts, positions = [length - 1, length], None
+    paged = ops.attend(q, planes[0], planes[1], 0.125, counts, positions, blocks=blocks, block_size=bs)
+    assert torch.equal(paged, ops.attend(q, gathered[0], gathered[1], 0.125, counts, positions))
+
+
+def test_thread_count_does_not_change_the_result():
+    q, k, v = _qkv(4, 300)
+    counts = [297, 298, 299, 300]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.attend(q, k, v, 0.125, counts)
+        torch.set_num_threads(2)
+        two = ops.attend(q, k, v, 0.125, counts)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_rope_write_rotates_and_writes_valid_slots():
+    t, hq, hkv, d, bs = 3, 4, 2, 16, 4
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen)
+    heads = qkv.view(t, hq + 2 * hkv, d)
+    qk, v = heads[:, : hq + hkv], heads[:, hq + hkv:]
+    ang = torch.randn(t, 1, d // 2, generator=gen)
+    cos2, sin2 = torch.cat((ang.cos(), ang.cos()), -1), torch.cat((-ang.sin(), ang.sin()), -1)
+    cache = torch.zeros(2, 3, bs, hkv, d)
+    slots = torch.tensor([5, -1, 10])
+    out = ops.rope_write(qk, v, cos2, sin2, cache, slots)
+    expected = qk * cos2 + qk.roll(d // 2, dims=-1) * sin2
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    flat = cache.view(2, -1, hkv, d)
+    assert torch.equal(flat[0, 5], out[0, hq:]) and torch.equal(flat[1, 5], v[0])
+    assert torch.equal(flat[0, 10], out[2, hq:]) and torch.equal(flat[1, 10], v[2])
+    written = torch.zeros(flat.shape[1], dtype=torch.bool)
+    written[[5, 10]] = True
+    assert not flat[:, ~written].any()  # the negative slot wrote nothing
+
+
+def test_inputs_it_does_not_take_fall_back_to_torch():
+    q, k, v = _qkv(1, 20)
+    assert ops.attend(q.double(), k.double(), v.double(), 0.125, [20]) is None
+    assert ops.rms_norm(torch.randn(2, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16), 1e-6) is None
+
+
+def test_bad_arguments_are_refused():
+    q, k, v = _qkv(2, 20)
+    with pytest.raises(ValueError, match="nkeys"):
+        ops.attend(q, k, v, 0.125, [20, 21])
+    with pytest.raises(ValueError, match="nkeys"):
+        ops.attend(q, k, v, 0.125, [20])
+    with pytest.raises(ValueError, match="positions"):
+        ops.attend(q[:1], k, v, 0.125, [2], torch.tensor([0, 20]))
+    with pytest.raises(ValueError, match="blocks"):
+        ops.attend(q[:1], k, v, 0.125, [4], blocks=torch.tensor([0, 5]), block_size=4)
+
+
+def test_portable_build_agrees(monkeypatch, tmp_path):
+    """The portable C build: RMSNorm the same bits (the same order of operations), attention to float rounding (its
+    sums run in another order)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    default = ops.native_ops()
+    scalar = load_library(("-DQMM_FORCE_SCALAR",))
+    assert native_build.isa_name(scalar) == "scalar"
+    q, k, v = _qkv(2, 90)
+    x, w = torch.randn(3, 576), torch.randn(576)
+    a = (ops.rms_norm(x, w, 1e-5), ops.attend(q, k, v, 0.125, [89, 90]))
+    monkeypatch.setattr(ops, "native_ops", lambda: scalar)
+    b = (ops.rms_norm(x, w, 1e-5), ops.attend(q, k, v, 0.125, [89, 90]))
+    assert default is not scalar
+    assert torch.equal(a[0], b[0])
+    torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=1e-6)
