@@ -92,7 +92,11 @@ def _assert_identical(lean, plain) -> None:
 
 @pytest.mark.parametrize("quantization", ["w4a16", "w8a16", "none", "w4a16-torch"])
 @pytest.mark.parametrize("tables", [[[0, 1, 2, 3, 4]], [[6, 2, 9, 0, 4]]], ids=["consecutive", "scattered"])
-def test_one_sequence_matches_module_path(monkeypatch, tiny_models, quantization, tables) -> None:
+@pytest.mark.parametrize("native", ["auto", "off"], ids=["native-ops", "torch-ops"])
+def test_one_sequence_matches_module_path(monkeypatch, tiny_models, quantization, tables, native) -> None:
+    """Decode steps of one sequence, with the native CPU operators (RMSNorm, rotary + cache write, attention) and
+    without them (``ROOFLM_CPU_NATIVE=off``): the lean loop computes the module path's floats either way."""
+    monkeypatch.setenv("ROOFLM_CPU_NATIVE", native)
     model, cfg = tiny_models[quantization]
     lean, plain, ran = _both_paths(monkeypatch, model, cfg, tables, [PROMPT])
     _assert_identical(lean, plain)

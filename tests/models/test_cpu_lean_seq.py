@@ -90,7 +90,11 @@ def _verify_steps(n: int):
 @pytest.mark.parametrize("n", [2, 5, 17])
 @pytest.mark.parametrize("table", [CONSECUTIVE, SCATTERED], ids=["consecutive", "scattered"])
 @pytest.mark.parametrize("kind", ["w4a16", "none", "gqa3"])
-def test_verify_step_matches_module_path(monkeypatch, models, kind, table, n) -> None:
+@pytest.mark.parametrize("native", ["auto", "off"], ids=["native-ops", "torch-ops"])
+def test_verify_step_matches_module_path(monkeypatch, models, kind, table, n, native) -> None:
+    """With the native CPU operators (RMSNorm, rotary + cache write, attention) and without them: each path's lean
+    loop computes its module path's floats."""
+    monkeypatch.setenv("ROOFLM_CPU_NATIVE", native)
     model, cfg = models[kind]
     calls = _compare(monkeypatch, model, cfg, table, _verify_steps(n))
     assert calls == 2 * cfg.num_hidden_layers  # the prefill and the verify step; decode steps have their own path
@@ -105,7 +109,9 @@ def test_chunked_prefill_matches_module_path(monkeypatch, models, table) -> None
 
 
 @pytest.mark.parametrize("table", [CONSECUTIVE, SCATTERED], ids=["consecutive", "scattered"])
-def test_token_tree_verify_step_matches_module_path(monkeypatch, models, table) -> None:
+@pytest.mark.parametrize("native", ["auto", "off"], ids=["native-ops", "torch-ops"])
+def test_token_tree_verify_step_matches_module_path(monkeypatch, models, table, native) -> None:
+    monkeypatch.setenv("ROOFLM_CPU_NATIVE", native)
     model, cfg = models["gqa3"]
     parents = (0, 0, 1, 1, 2, 3)  # under the root: two children, three grandchildren, one great-grandchild
     steps = [(0, PROMPT), (len(PROMPT), [8, 40, 41, 50, 51, 60, 70])]

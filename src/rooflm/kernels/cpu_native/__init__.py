@@ -1,7 +1,8 @@
-"""A native CPU matmul for 4- and 8-bit grouped weights with 8-bit activations (llama.cpp's scheme): the C source
-``qmm.c`` is compiled on first use (``build``) and called through ctypes (``matmul``). ``ROOFLM_CPU_NATIVE`` =
-``auto`` | ``on`` | ``off`` selects it; ``python -m rooflm.kernels.cpu_native`` benchmarks it against torch's
-kernels."""
+"""A native CPU matmul for 4- and 8-bit grouped weights with 8-bit activations (llama.cpp's scheme), and the small
+float32 operators of a decode step (RMSNorm, rotary + cache write, attention over the paged cache): the C sources
+``qmm.c`` and ``ops.c`` are compiled on first use (``build``) and called through ctypes (``matmul``, ``ops``).
+``ROOFLM_CPU_NATIVE`` = ``auto`` | ``on`` | ``off`` selects them; ``python -m rooflm.kernels.cpu_native`` benchmarks
+the matmul against torch's kernels."""
 from rooflm.kernels.cpu_native.build import (
                                               NativeBuildError,
                                               build_library,

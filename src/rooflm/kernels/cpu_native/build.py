@@ -164,6 +164,12 @@ def native_library() -> ctypes.CDLL | None:
     mode = native_mode()
     if mode == "off":
         return None
+    key = tuple(default_flags())
+    lib = _libs.get(key)
+    if lib is not None:  # the common case, asked by every native operator call: no exception path
+        return lib
+    if mode == "auto" and key in _failed and getattr(native_library, "_logged", False):
+        return None
     try:
         return load_library(default_flags())
     except NativeBuildError as e:
@@ -171,7 +177,7 @@ def native_library() -> ctypes.CDLL | None:
             raise
         if not getattr(native_library, "_logged", False):
             native_library._logged = True  # type: ignore[attr-defined]
-            logger.warning("native CPU quantized matmul unavailable, using torch's kernels: %s", e)
+            logger.warning("native CPU kernels (quantized matmul, float32 operators) unavailable, using torch's: %s", e)
         return None
 
 
