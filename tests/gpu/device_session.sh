@@ -92,7 +92,7 @@ for stage in "$@"; do
     # Medusa heads self-distilled on the GPU for the embedded GGUF model; MEDUSA_GGUF names the file (the GPU
     # machine has no package index), the heads go to $OUT/medusa-heads
     medusagpu) TAIL=30 run medusa_train 480 $PY -m rooflm.cli train-medusa --model "$MEDUSA_GGUF" --device cuda \
-                 --dtype float32 --self-distill ${DISTILL_N:-4096} --distill-len 256 --distill-prompt-len 64 \
+                 --dtype float32 --self-distill ${DISTILL_N:-4096} --distill-len ${DISTILL_LEN:-256} --distill-prompt-len ${DISTILL_PROMPT_LEN:-64} \
                  --distill-eval 32 --steps ${MEDUSA_STEPS:-1000} --batch-size 16 --lr 2e-3 --out "$OUT/medusa-heads"
                TAIL=8 ROOFLM_TEST_GGUF="$MEDUSA_GGUF" run medusa_distill_test 200 $PY -m pytest tests/gpu/test_gpu_medusa_distill.py -q -rs \
                  -p no:cacheprovider ;;

@@ -225,3 +225,19 @@ def test_bad_self_distillation_settings_are_refused(tiny, tmp_path, capsys):
         assert e.value.code != 0 and e.value.code is not None
         message = (e.value.code if isinstance(e.value.code, str) else "") + capsys.readouterr().err
         assert flag in message, (argv, message)  # argparse names it on stderr; the config's checks in the exit text
+
+
+def test_unwrap_lines_joins_each_paragraph_and_keeps_every_word():
+    """train-medusa's default data preparation: the shipped excerpts are hard-wrapped at about 72 columns; each
+    paragraph becomes one line, and the words and their order do not change."""
+    from importlib import resources
+
+    from rooflm.spec_decode.cli import unwrap_lines
+
+    assert unwrap_lines("A b\nc d.\n\n\n  E\n f.\n \nG") == "A b c d.\n\nE f.\n\nG"
+    text = (resources.files("rooflm") / "bench" / "data" / "austen_emma.txt").read_text()
+    out = unwrap_lines(text)
+    assert out.split() == text.split()
+    paragraphs = out.split("\n\n")
+    assert len(paragraphs) > 100 and all("\n" not in p for p in paragraphs)
+    assert max(len(line) for line in text.splitlines()) < 80 < max(len(p) for p in paragraphs)

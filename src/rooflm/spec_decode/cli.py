@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 
 def _positive(flag: str, kind=int):
@@ -33,6 +34,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-data", default=None, metavar="TEXT",
                    help="held-out text file for the accuracy report (default: the shipped Pride and Prejudice "
                         "excerpt, which `rooflm bench spec --task continue` prompts with)")
+    p.add_argument("--line-breaks", choices=["unwrap", "keep"], default="unwrap",
+                   help="unwrap (default): join the hard-wrapped lines of each paragraph of --data / --eval-data with "
+                        "spaces, as prose is given to a model (the shipped excerpts are wrapped at about 72 columns "
+                        "for reading: continuations of wrapped text end lines the heads learn to predict, which "
+                        "unwrapped prompts never show); keep: the files as they are")
     p.add_argument("--heads", type=_positive("--heads"), default=4, help="number of heads (k at most)")
     p.add_argument("--steps", type=_positive("--steps"), default=200, help="optimizer steps")
     p.add_argument("--lr", type=_positive("--lr", float), default=2e-3, help="AdamW learning rate (peak)")
@@ -71,6 +77,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_train)
 
 
+def unwrap_lines(text: str) -> str:
+    """Each paragraph (blocks separated by blank lines) on one line, its lines joined with single spaces."""
+    paragraphs = (" ".join(line.strip() for line in block.splitlines() if line.strip())
+                  for block in re.split(r"\n[ \t]*\n", text))
+    return "\n\n".join(p for p in paragraphs if p)
+
+
 def _read(path: str | None, shipped: str) -> str:
     if path is None:
         from importlib import resources
@@ -103,6 +116,8 @@ def _train(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype, device)
     train_text = _read(args.data, "austen_emma.txt")
     eval_text = _read(args.eval_data, "austen_pride_and_prejudice.txt")
+    if args.line_breaks == "unwrap":
+        train_text, eval_text = unwrap_lines(train_text), unwrap_lines(eval_text)
     model, cfg = load_model(args.model, load_format=args.load_format, dtype=dtype, device=device,
                             show_progress=False, quantization=args.quantization)
     for p in model.parameters():
