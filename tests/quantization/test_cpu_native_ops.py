@@ -159,3 +159,26 @@ def test_portable_build_agrees(monkeypatch, tmp_path):
     assert default is not scalar
     assert torch.equal(a[0], b[0])
     torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=1e-6)
+
+
+def test_decode_of_several_sequences_gives_each_its_own_decode_floats():
+    """A decode step of several sequences passes one block table row per token: each sequence's result is the bits
+    of its decode step alone; a row's padding past its sequence (here -1) is not read."""
+    bs, hkv, d = 16, 3, 64
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.randn(2, 12, bs, hkv, d, generator=gen)
+    planes = cache.view(2, -1, hkv, d)
+    q = torch.randn(3, 9, d, generator=gen)
+    tables = torch.tensor([[3, 7, 1, -1], [0, 11, 5, 9], [8, -1, -1, -1]])
+    lens = [40, 61, 5]
+    out = ops.attend(q, planes[0], planes[1], 0.125, lens, blocks=tables, block_size=bs)
+    for i, n in enumerate(lens):
+        row = tables[i, : -(-n // bs)]
+        alone = ops.attend(q[i:i + 1], planes[0], planes[1], 0.125, [n], blocks=row, block_size=bs)
+        assert torch.equal(out[i:i + 1], alone)
+        gathered = cache[:, row].flatten(1, 2)[:, :n]
+        torch.testing.assert_close(alone[0], _sdpa(q[i], gathered[0], gathered[1], 0.125), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="blocks"):
+        ops.attend(q, planes[0], planes[1], 0.125, [40, 61, 17], blocks=tables, block_size=bs)  # reads a -1
+    with pytest.raises(ValueError, match="blocks"):
+        ops.attend(q, planes[0], planes[1], 0.125, lens, blocks=tables[:2], block_size=bs)

@@ -184,9 +184,17 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
                 return out
         kv = _gather(kv_cache, blocks, q.dtype).flatten(1, 2)[:, :seq_len]  # [2, L, Hkv, D]
         return decode_attention(q, kv[0], kv[1], scale)
-    # several sequences: gather every table to the longest context and mask each sequence's tail
     max_blocks = (meta.max_seq_len + block_size - 1) // block_size
     tables = meta.block_tables[:, :max_blocks].long()
+    if type(kv_cache) is torch.Tensor and kv_cache.dtype == q.dtype and kv_cache.is_contiguous():
+        # several sequences, each through its own block table in one native call: each one's floats are those of its
+        # decode step alone
+        planes = kv_cache.view(2, -1, num_kv_heads, head_dim)
+        out = native_attend(q, planes[0], planes[1], scale, list(meta.seq_lens_cpu), blocks=tables,
+                            block_size=block_size)
+        if out is not None:
+            return out
+    # several sequences: gather every table to the longest context and mask each sequence's tail
     length = max_blocks * block_size
     kv = _gather(kv_cache, tables, q.dtype).view(2, num_seqs, length, num_kv_heads, head_dim).transpose(2, 3)
     k, v = kv[0], kv[1]  # [S, Hkv, L, D]

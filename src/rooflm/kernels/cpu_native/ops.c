@@ -287,12 +287,13 @@ static void attend_group(const float *q, float *out, int64_t gs, int64_t d, floa
 /* q, out [T, hq, d]; k, v: position-major rows of hkv * d floats, rs floats apart; token t reads nkeys[t] keys:
  * positions 0 .. nkeys[t] - 1, or (pos not NULL) the next nkeys[t] entries of pos; position p is row p, or with a
  * block table (blocks not NULL, bs positions a block) row blocks[p / bs] * bs + p % bs of the paged cache, read
- * in place (no gather). The (token, KV head) pairs are
+ * in place (no gather); token t's table starts at blocks + t * table_stride (0: one table for every token, one
+ * sequence; a decode step of several sequences passes one row per token). The (token, KV head) pairs are
  * spread over up to nthreads threads (OpenMP builds), each pair computed whole by one thread: the result does not
  * depend on the thread count. 0 on success, -1 when out of memory. */
 int ops_attend(const float *q, float *out, int64_t T, int64_t hq, int64_t hkv, int64_t d, float scale, const float *k,
                const float *v, int64_t rs, const int64_t *nkeys, const int64_t *pos, const int64_t *blocks, int64_t bs,
-               int nthreads) {
+               int64_t table_stride, int nthreads) {
     const int64_t group = hq / hkv;
     int64_t most = 1, total = 0;
     for (int64_t t = 0; t < T; t++) {
@@ -319,7 +320,8 @@ int ops_attend(const float *q, float *out, int64_t T, int64_t hq, int64_t hkv, i
             continue;
         }
         attend_group(q + (t * hq + g * group) * d, out + (t * hq + g * group) * d, group, d, scale, k + g * d,
-                     v + g * d, rs, nkeys[t], pos ? pos + first[t] : NULL, blocks, bs, s);
+                     v + g * d, rs, nkeys[t], pos ? pos + first[t] : NULL,
+                     blocks ? blocks + t * table_stride : NULL, bs, s);
         if (s != stack) free(s);
     }
     free(first);

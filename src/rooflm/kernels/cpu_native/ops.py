@@ -47,9 +47,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, nkey
            block_size: int = 0) -> torch.Tensor | None:
     """Attention of T query tokens q [T, Hq, D] over k, v [L, Hkv, D] (position-major); token t reads the first
     ``nkeys[t]`` positions, or with ``positions`` (int64, the lists of all tokens one after another) the next
-    ``nkeys[t]`` of them. With ``blocks`` (int64 block indices) k and v are a paged cache's planes [num_blocks *
-    block_size, Hkv, D] and position p lives at row ``blocks[p // block_size] * block_size + p % block_size``: read
-    in place, without gathering the context. Returns [T, Hq, D], or None (see the module docstring)."""
+    ``nkeys[t]`` of them. With ``blocks`` (int64 block indices: one table, or [T, n] one row per token) k and v are a
+    paged cache's planes [num_blocks * block_size, Hkv, D] and position p of token t lives at row ``table[p //
+    block_size] * block_size + p % block_size``: read in place, without gathering the context. Returns [T, Hq, D], or None (see the module docstring)."""
     lib = native_ops()
     if lib is None or not _takes(q, k, v):
         return None
@@ -59,14 +59,24 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, nkey
     t, hq, d = q.shape
     hkv = k.shape[1]
     length = k.shape[0]
-    blocks_ptr = None
+    blocks_ptr, stride = None, 0
     if blocks is not None:
         blocks = blocks.to(torch.int64).contiguous()
-        if block_size < 1 or blocks.numel() == 0 or int(blocks.max()) >= length // block_size or int(blocks.min()) < 0:
-            raise ValueError(f"blocks: block indices in [0, {length // max(block_size, 1)}) and block_size >= 1 "
-                             f"expected, got block_size={block_size}")
+        if block_size < 1 or blocks.numel() == 0 or blocks.dim() not in (1, 2) or (
+                blocks.dim() == 2 and blocks.shape[0] != t):
+            raise ValueError(f"blocks: a table of block indices, or one row per token ({t}), and block_size >= 1 "
+                             f"expected, got shape {tuple(blocks.shape)} and block_size={block_size}")
+        num_blocks = length // block_size
+        stride = blocks.shape[1] if blocks.dim() == 2 else 0
+        length = blocks.shape[-1] * block_size
+        if len(nkeys) == t and 1 <= min(nkeys, default=1) and max(nkeys, default=0) <= length:
+            # the entries the tokens read (a row's padding past its sequence is not read, so not checked)
+            rows = blocks if blocks.dim() == 2 else blocks[None]
+            needed = torch.tensor([-(-n // block_size) for n in (nkeys if blocks.dim() == 2 else nkeys[:1])])
+            used = rows[torch.arange(rows.shape[1])[None, :] < needed[:, None]] if blocks.dim() == 2 else rows[0]
+            if int(used.max()) >= num_blocks or int(used.min()) < 0:
+                raise ValueError(f"blocks: block indices in [0, {num_blocks}) expected")
         blocks_ptr = blocks.data_ptr()
-        length = blocks.numel() * block_size
     if len(nkeys) != t or min(nkeys, default=1) < 1 or max(nkeys, default=0) > length:
         raise ValueError(f"nkeys={nkeys}: expected {t} key counts in [1, {length}]")
     q = q.contiguous()
@@ -79,7 +89,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, nkey
             raise ValueError(f"positions: expected {sum(nkeys)} entries below {length}, got {positions.numel()}")
         pos = positions.data_ptr()
     rc = lib.ops_attend(q.data_ptr(), out.data_ptr(), t, hq, hkv, d, float(scale), k.data_ptr(), v.data_ptr(), rs,
-                        counts, pos, blocks_ptr, block_size, torch.get_num_threads())
+                        counts, pos, blocks_ptr, block_size, stride, torch.get_num_threads())
     if rc:
         raise MemoryError(f"native attention failed (code {rc}) for {t} tokens over {max(nkeys)} keys")
     return out
