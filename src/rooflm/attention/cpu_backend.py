@@ -11,7 +11,8 @@ the same maths with:
   multiply-add of ``addcmul``;
 - decode (one query token per sequence), float32: one call of the native operator
   (``rooflm.kernels.cpu_native.ops``, C compiled on first use), a few microseconds where torch's flash kernel costs
-  tens for one query; without it (``ROOFLM_CPU_NATIVE=off``, no compiler, other dtypes), the query heads that share a
+  tens for one query, reading each sequence's context in place through its block table (one table row per token
+  when several sequences decode together, so each gets the floats of its decode step alone); without it (``ROOFLM_CPU_NATIVE=off``, no compiler, other dtypes), the query heads that share a
   KV head are laid out as that head's query rows, so ``scaled_dot_product_attention`` runs as plain multi-head
   attention over the gathered context without a mask and without copying K/V per query head (grouped-query
   attention, Ainslie et al. 2023);
