@@ -182,3 +182,15 @@ def test_decode_of_several_sequences_gives_each_its_own_decode_floats():
         ops.attend(q, planes[0], planes[1], 0.125, [40, 61, 17], blocks=tables, block_size=bs)  # reads a -1
     with pytest.raises(ValueError, match="blocks"):
         ops.attend(q, planes[0], planes[1], 0.125, lens, blocks=tables[:2], block_size=bs)
+
+
+def test_a_table_changed_in_place_is_checked_again():
+    """A one-sequence table is checked once and then trusted while unchanged; writing into it is noticed."""
+    bs, hkv, d = 4, 3, 64
+    q, k, v = _qkv(1, 5 * bs, 9, hkv, d)
+    table = torch.tensor([4, 0, 2])
+    ops.attend(q, k, v, 0.125, [10], blocks=table, block_size=bs)
+    ops.attend(q, k, v, 0.125, [10], blocks=table, block_size=bs)  # trusted: the same, unchanged table
+    table[1] = 5  # out of the 5 blocks
+    with pytest.raises(ValueError, match="blocks"):
+        ops.attend(q, k, v, 0.125, [10], blocks=table, block_size=bs)

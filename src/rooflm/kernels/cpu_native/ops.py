@@ -42,6 +42,29 @@ def _rows(k: torch.Tensor) -> int | None:
     return k.stride(0) if k.stride(2) == 1 and k.stride(1) == d else None
 
 
+# The last one-sequence table found valid, with its version counter and the pool size it was checked against: a
+# step's every layer passes the same table, so it is checked once a step (a table changed in place bumps its version).
+_checked: tuple = (None, -1, -1)
+
+
+def _check_blocks(blocks: torch.Tensor, nkeys: list[int], block_size: int, num_blocks: int) -> None:
+    """Raise ValueError unless every block index the tokens read is in [0, num_blocks): the whole table for one
+    sequence, the first ceil(nkeys[t] / block_size) entries of row t for one row per token (a row's padding past its
+    sequence is not read, so not checked)."""
+    global _checked
+    if blocks.dim() == 1:
+        if _checked[0] is blocks and _checked[1:] == (blocks._version, num_blocks):
+            return
+        used = blocks
+    else:
+        needed = torch.tensor([-(-n // block_size) for n in nkeys])
+        used = blocks[torch.arange(blocks.shape[1])[None, :] < needed[:, None]]
+    if int(used.max()) >= num_blocks or int(used.min()) < 0:
+        raise ValueError(f"blocks: block indices in [0, {num_blocks}) expected")
+    if blocks.dim() == 1:
+        _checked = (blocks, blocks._version, num_blocks)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, nkeys: list[int],
            positions: torch.Tensor | None = None, blocks: torch.Tensor | None = None,
            block_size: int = 0) -> torch.Tensor | None:
@@ -70,12 +93,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, nkey
         stride = blocks.shape[1] if blocks.dim() == 2 else 0
         length = blocks.shape[-1] * block_size
         if len(nkeys) == t and 1 <= min(nkeys, default=1) and max(nkeys, default=0) <= length:
-            # the entries the tokens read (a row's padding past its sequence is not read, so not checked)
-            rows = blocks if blocks.dim() == 2 else blocks[None]
-            needed = torch.tensor([-(-n // block_size) for n in (nkeys if blocks.dim() == 2 else nkeys[:1])])
-            used = rows[torch.arange(rows.shape[1])[None, :] < needed[:, None]] if blocks.dim() == 2 else rows[0]
-            if int(used.max()) >= num_blocks or int(used.min()) < 0:
-                raise ValueError(f"blocks: block indices in [0, {num_blocks}) expected")
+            _check_blocks(blocks, nkeys, block_size, num_blocks)
         blocks_ptr = blocks.data_ptr()
     if len(nkeys) != t or min(nkeys, default=1) < 1 or max(nkeys, default=0) > length:
         raise ValueError(f"nkeys={nkeys}: expected {t} key counts in [1, {length}]")
