@@ -35,3 +35,19 @@ def test_gpu_defaults_and_explicit_options(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert fake(_parse(["bench", "latency", "--model", "smollm2-135m", "--dtype", "bfloat16"])) == 0
     assert seen["model"] == "smollm2-135m" and seen["dtype"] == "bfloat16" and seen["load_format"] == "auto"
+
+
+def test_a_checkpoint_path_loads_its_weights_on_a_gpu_machine(monkeypatch, tmp_path):
+    """On a GPU machine the default model is a named shape with random weights; a checkpoint given by path must not
+    get random weights too (a benchmark of it would measure a random model, as a speculative-decoding run once did)."""
+    seen: dict = {}
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    fake = bench_cli._with_machine_defaults(lambda a: seen.update(vars(a)) or 0, {})
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"")
+    assert fake(_parse(["bench", "spec", "--model", str(gguf)])) == 0
+    assert seen["model"] == str(gguf) and seen["load_format"] == "auto" and seen["dtype"] == "float16"
+    assert fake(_parse(["bench", "spec", "--model", str(gguf), "--load-format", "dummy"])) == 0
+    assert seen["load_format"] == "dummy"
+    assert fake(_parse(["bench", "latency", "--model", "llama-2-7b"])) == 0  # a named shape: random weights
+    assert seen["load_format"] == "dummy"

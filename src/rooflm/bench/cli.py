@@ -12,12 +12,14 @@ sub-command runs, except that its ``add_arguments`` is needed to build the parse
 Defaults of the offline benchmarks depend on the machine: with a CUDA GPU, Llama-2-7B shapes with random fp16
 weights (a model that fills a GPU); without one, the embedded SmolLM2-135M-Instruct in float32 with short
 sequences, because 14 GB of random fp16 weights on a CPU take minutes to build and run for a figure of no use.
-Options given on the command line always win.
+Options given on the command line always win, and a ``--model`` given as a path (a checkpoint folder or a GGUF file)
+loads its own weights unless ``--load-format`` says otherwise.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import importlib.util
 from typing import Any, Callable
 
@@ -40,6 +42,9 @@ def _with_machine_defaults(run: Callable[[argparse.Namespace], int], module_defa
         import torch
 
         chosen = machine_defaults(torch.cuda.is_available())
+        if getattr(args, "model", None) is not None and os.path.exists(args.model):
+            # a checkpoint given by path is benchmarked with its own weights, not the GPU default's random ones
+            chosen["load_format"] = "auto"
         for name in _MACHINE_DEFAULTS:
             if getattr(args, name, "missing") is None:  # not given on the command line
                 setattr(args, name, chosen.get(name, module_defaults.get(name)))
