@@ -184,13 +184,13 @@ def test_decode_of_several_sequences_gives_each_its_own_decode_floats():
         ops.attend(q, planes[0], planes[1], 0.125, lens, blocks=tables[:2], block_size=bs)
 
 
-def test_a_table_changed_in_place_is_checked_again():
-    """A one-sequence table is checked once and then trusted while unchanged; writing into it is noticed."""
+def test_a_table_is_checked_unless_the_caller_did():
+    """A caller that checked its table once a step (the CPU backend, for all its layers) skips the per-call check;
+    otherwise an index outside the cache is refused."""
     bs, hkv, d = 4, 3, 64
     q, k, v = _qkv(1, 5 * bs, 9, hkv, d)
     table = torch.tensor([4, 0, 2])
-    ops.attend(q, k, v, 0.125, [10], blocks=table, block_size=bs)
-    ops.attend(q, k, v, 0.125, [10], blocks=table, block_size=bs)  # trusted: the same, unchanged table
-    table[1] = 5  # out of the 5 blocks
+    out = ops.attend(q, k, v, 0.125, [10], blocks=table, block_size=bs)
+    assert torch.equal(ops.attend(q, k, v, 0.125, [10], blocks=table, block_size=bs, blocks_checked=True), out)
     with pytest.raises(ValueError, match="blocks"):
-        ops.attend(q, k, v, 0.125, [10], blocks=table, block_size=bs)
+        ops.attend(q, k, v, 0.125, [10], blocks=torch.tensor([4, 5, 2]), block_size=bs)

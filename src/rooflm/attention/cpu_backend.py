@@ -63,6 +63,7 @@ class CpuAttention:
         self._slots_valid = True
         self._slots_end = 0  # one past the largest slot of the step
         self._decode_blocks: torch.Tensor | None = None
+        self._decode_blocks_range = (0, -1)  # (min, max) of _decode_blocks
 
     def _rope_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, head_dim] tables ``[cos, cos]`` and ``[-sin, sin]``, made once per step: every layer of a forward
@@ -85,6 +86,8 @@ class CpuAttention:
         if meta.is_decode_only and meta.num_seqs == 1:
             seq_len = meta.seq_lens_cpu[0]
             self._decode_blocks = meta.block_tables[0, : (seq_len + block_size - 1) // block_size].long()
+            # checked against each layer's cache by _decode with two integers instead of two ops a layer
+            self._decode_blocks_range = (int(self._decode_blocks.min()), int(self._decode_blocks.max()))
 
     def rotary_and_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, kv_cache: torch.Tensor,
@@ -125,7 +128,7 @@ class CpuAttention:
                sliding_window: int | None = None) -> torch.Tensor:
         self._step(meta, kv_cache.shape[2])
         if meta.is_decode_only and sliding_window is None:
-            return _decode(q, kv_cache, meta, scale, self._decode_blocks)
+            return _decode(q, kv_cache, meta, scale, self._decode_blocks, self._decode_blocks_range)
         out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
         block_size = kv_cache.shape[2]
@@ -167,9 +170,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-            blocks: torch.Tensor | None = None) -> torch.Tensor:
+            blocks: torch.Tensor | None = None, blocks_range: tuple[int, int] | None = None) -> torch.Tensor:
     """One query per sequence, full attention. q [S, H, D] -> [S, H, D]. ``blocks``: the one sequence's block
-    indices (int64), when the caller has them."""
+    indices (int64), when the caller has them; ``blocks_range``: their (min, max), known once a step."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
@@ -180,7 +183,9 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
         if type(kv_cache) is torch.Tensor and kv_cache.dtype == q.dtype and kv_cache.is_contiguous():
             # the native operator reads the context in place: the floats of the gathered copy, without the copy
             planes = kv_cache.view(2, -1, num_kv_heads, head_dim)
-            out = native_attend(q, planes[0], planes[1], scale, [seq_len], blocks=blocks, block_size=block_size)
+            checked = blocks_range is not None and 0 <= blocks_range[0] and blocks_range[1] < kv_cache.shape[1]
+            out = native_attend(q, planes[0], planes[1], scale, [seq_len], blocks=blocks, block_size=block_size,
+                                blocks_checked=checked)
             if out is not None:
                 return out
         kv = _gather(kv_cache, blocks, q.dtype).flatten(1, 2)[:, :seq_len]  # [2, L, Hkv, D]

@@ -201,7 +201,7 @@ def _attend_one(step: _DecodeOne, attn, qkv: torch.Tensor, hq: int, hkv: int, kv
     qk = rotate_and_write(step, qkv, hq, hkv, d, kv_cache, meta)
     q = qk[:, :hq]
     if step.view is None:
-        return _decode(q, kv_cache, meta, attn.scale, step.blocks)
+        return _decode(q, kv_cache, meta, attn.scale, step.blocks, step.backend._decode_blocks_range)
     size, stride, k_off, v_off = step.view
     base = kv_cache.storage_offset()  # a cache may be a view into a larger buffer
     k = kv_cache.as_strided(size, stride, base + k_off)

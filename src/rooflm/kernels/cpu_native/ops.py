@@ -42,37 +42,28 @@ def _rows(k: torch.Tensor) -> int | None:
     return k.stride(0) if k.stride(2) == 1 and k.stride(1) == d else None
 
 
-# The last one-sequence table found valid, with its version counter and the pool size it was checked against: a
-# step's every layer passes the same table, so it is checked once a step (a table changed in place bumps its version).
-_checked: tuple = (None, -1, -1)
-
-
 def _check_blocks(blocks: torch.Tensor, nkeys: list[int], block_size: int, num_blocks: int) -> None:
     """Raise ValueError unless every block index the tokens read is in [0, num_blocks): the whole table for one
     sequence, the first ceil(nkeys[t] / block_size) entries of row t for one row per token (a row's padding past its
     sequence is not read, so not checked)."""
-    global _checked
     if blocks.dim() == 1:
-        if _checked[0] is blocks and _checked[1:] == (blocks._version, num_blocks):
-            return
         used = blocks
     else:
         needed = torch.tensor([-(-n // block_size) for n in nkeys])
         used = blocks[torch.arange(blocks.shape[1])[None, :] < needed[:, None]]
     if int(used.max()) >= num_blocks or int(used.min()) < 0:
         raise ValueError(f"blocks: block indices in [0, {num_blocks}) expected")
-    if blocks.dim() == 1:
-        _checked = (blocks, blocks._version, num_blocks)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, nkeys: list[int],
            positions: torch.Tensor | None = None, blocks: torch.Tensor | None = None,
-           block_size: int = 0) -> torch.Tensor | None:
+           block_size: int = 0, blocks_checked: bool = False) -> torch.Tensor | None:
     """Attention of T query tokens q [T, Hq, D] over k, v [L, Hkv, D] (position-major); token t reads the first
     ``nkeys[t]`` positions, or with ``positions`` (int64, the lists of all tokens one after another) the next
     ``nkeys[t]`` of them. With ``blocks`` (int64 block indices: one table, or [T, n] one row per token) k and v are a
     paged cache's planes [num_blocks * block_size, Hkv, D] and position p of token t lives at row ``table[p //
-    block_size] * block_size + p % block_size``: read in place, without gathering the context. Returns [T, Hq, D], or None (see the module docstring)."""
+    block_size] * block_size + p % block_size``: read in place, without gathering the context. Every index a token
+    reads is checked to lie in the cache unless ``blocks_checked`` (a caller that checked the table once a step). Returns [T, Hq, D], or None (see the module docstring)."""
     lib = native_ops()
     if lib is None or not _takes(q, k, v):
         return None
@@ -92,7 +83,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, nkey
         num_blocks = length // block_size
         stride = blocks.shape[1] if blocks.dim() == 2 else 0
         length = blocks.shape[-1] * block_size
-        if len(nkeys) == t and 1 <= min(nkeys, default=1) and max(nkeys, default=0) <= length:
+        if not blocks_checked and len(nkeys) == t and 1 <= min(nkeys, default=1) and max(nkeys, default=0) <= length:
             _check_blocks(blocks, nkeys, block_size, num_blocks)
         blocks_ptr = blocks.data_ptr()
     if len(nkeys) != t or min(nkeys, default=1) < 1 or max(nkeys, default=0) > length:
