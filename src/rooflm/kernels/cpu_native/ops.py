@@ -63,7 +63,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, nkey
     ``nkeys[t]`` of them. With ``blocks`` (int64 block indices: one table, or [T, n] one row per token) k and v are a
     paged cache's planes [num_blocks * block_size, Hkv, D] and position p of token t lives at row ``table[p //
     block_size] * block_size + p % block_size``: read in place, without gathering the context. Every index a token
-    reads is checked to lie in the cache unless ``blocks_checked`` (a caller that checked the table once a step). Returns [T, Hq, D], or None (see the module docstring)."""
+    reads is checked to lie in the cache unless ``blocks_checked`` (a caller that checked the table once a step).
+    Returns [T, Hq, D], or None (see the module docstring)."""
     lib = native_ops()
     if lib is None or not _takes(q, k, v):
         return None
