@@ -12,10 +12,10 @@ the same maths with:
 - decode (one query token per sequence), float32: one call of the native operator
   (``rooflm.kernels.cpu_native.ops``, C compiled on first use), a few microseconds where torch's flash kernel costs
   tens for one query, reading each sequence's context in place through its block table (one table row per token
-  when several sequences decode together, so each gets the floats of its decode step alone); without it (``ROOFLM_CPU_NATIVE=off``, no compiler, other dtypes), the query heads that share a
-  KV head are laid out as that head's query rows, so ``scaled_dot_product_attention`` runs as plain multi-head
-  attention over the gathered context without a mask and without copying K/V per query head (grouped-query
-  attention, Ainslie et al. 2023);
+  when several sequences decode together, so each gets the floats of its decode step alone); without it
+  (``ROOFLM_CPU_NATIVE=off``, no compiler, other dtypes), the query heads that share a KV head are laid out as that
+  head's query rows, so ``scaled_dot_product_attention`` runs as plain multi-head attention over the gathered
+  context without a mask and without copying K/V per query head (grouped-query attention, Ainslie et al. 2023);
 - prefill and chunked prefill: one ``scaled_dot_product_attention`` per sequence, causal through ``is_causal`` when
   the chunk is the whole context and through an explicit mask otherwise (or with a sliding window). A chunk of more
   than ``EXACT_MAX_QUERY`` tokens passes 4-D tensors (a batch of one): torch runs its fused CPU kernel (flash

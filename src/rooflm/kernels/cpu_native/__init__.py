@@ -20,5 +20,6 @@ from rooflm.kernels.cpu_native.matmul import (
                                               quantize_activations_reference,
 )
 
-__all__ = ["NativeBuildError", "NativeWeight", "build_library", "default_flags", "isa_name", "load_library", "native_library",
-           "native_linear", "native_mode", "native_supports", "pack_native", "quantize_activations_reference"]
+__all__ = ["NativeBuildError", "NativeWeight", "build_library", "default_flags", "isa_name", "load_library",
+           "native_library", "native_linear", "native_mode", "native_supports", "pack_native",
+           "quantize_activations_reference"]
