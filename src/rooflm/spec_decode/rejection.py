@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from rooflm.layers.sampler import SamplingMetadata, target_probs
+from rooflm.layers.sampler import SamplingMetadata, argmax_tokens, target_probs
 
 
 def verify(logits: torch.Tensor, draft: list[list[int]], md: SamplingMetadata, greedy: list[bool],
@@ -55,7 +55,7 @@ def verify(logits: torch.Tensor, draft: list[list[int]], md: SamplingMetadata, g
     cols = torch.arange(k_max + 1, device=device)
     draft_valid = cols[:k_max].unsqueeze(0) < lens_t.unsqueeze(1)  # [R, K]
 
-    argmax = logits.argmax(dim=-1)[idx_t]  # [R, K+1]
+    argmax = argmax_tokens(logits)[idx_t]  # [R, K+1]
     accept = x == argmax[:, :k_max]
     corr = argmax
     if not all(greedy):

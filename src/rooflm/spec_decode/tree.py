@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rooflm.layers.sampler import argmax_tokens
+
 # The first paths of Medusa's default sparse tree for 4 heads, by the frequency with which they were accepted, cut to
 # 15 nodes: a small model on a CPU pays for every extra query token.
 DEFAULT_TREE: tuple[tuple[int, ...], ...] = (
@@ -110,7 +112,7 @@ def verify_tree(probs_or_logits: torch.Tensor, tokens: list[int], parents: list[
         children.setdefault(parent, []).append(j)
     node, path, out = 0, [], []
     if greedy:
-        best = probs_or_logits.argmax(dim=-1).tolist()
+        best = argmax_tokens(probs_or_logits).tolist()
         while True:
             nxt = next((c for c in children.get(node, []) if tokens[c - 1] == best[node]), None)
             if nxt is None:

@@ -31,6 +31,8 @@ ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
 
 _libs: dict[tuple[str, ...], ctypes.CDLL] = {}
 _failed: dict[tuple[str, ...], str] = {}
+_MISSING = object()
+_answer: dict[str | None, ctypes.CDLL | None] = {}  # ROOFLM_CPU_NATIVE's raw value -> native_library()'s answer
 
 
 class NativeBuildError(RuntimeError):
@@ -161,7 +163,21 @@ def load_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
 
 def native_library() -> ctypes.CDLL | None:
     """The library the CPU path should use under ``ROOFLM_CPU_NATIVE``: None when off, or (``auto``) when it cannot
-    be built -- logged once; ``on`` raises ``NativeBuildError`` instead."""
+    be built -- logged once; ``on`` raises ``NativeBuildError`` instead.
+
+    Every native operator asks, about 150 times per decode step of a 30-layer model: the answer is kept with the
+    variable's raw value it was made for, so a call costs one environment lookup while the variable is unchanged."""
+    raw = os.environ.get("ROOFLM_CPU_NATIVE")
+    known = _answer.get(raw, _MISSING)
+    if known is not _MISSING:
+        return known
+    lib = _native_library()
+    _answer.clear()
+    _answer[raw] = lib
+    return lib
+
+
+def _native_library() -> ctypes.CDLL | None:
     mode = native_mode()
     if mode == "off":
         return None
@@ -191,5 +207,6 @@ def reset_cache_state() -> None:
     """Forget loaded and failed builds of this process (tests that change the compiler or the cache)."""
     _libs.clear()
     _failed.clear()
+    _answer.clear()
     if hasattr(native_library, "_logged"):
         del native_library._logged

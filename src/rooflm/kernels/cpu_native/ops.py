@@ -20,7 +20,10 @@ def native_ops() -> ctypes.CDLL | None:
 
 
 def _takes(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    for t in tensors:  # a loop, not all() over a generator: asked several times per layer
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            return False
+    return True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
