@@ -82,3 +82,18 @@ def test_sync_debug_mode_catches_a_sync():
 def test_sampler_makes_no_cuda_sync(name):
     torch.manual_seed(0)
     _no_sync.check_case(name, "cuda", cuda_sync_is_an_error)
+
+
+def test_argmax_tokens_is_argmax_on_cuda():
+    """Greedy choices go through ``max``: on CUDA too it returns the first of equal maxima, as ``argmax`` does."""
+    from rooflm.layers.sampler import argmax_tokens
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for trial in range(100):
+        x = torch.randint(0, 4, (8, 49152), device="cuda", generator=gen).float()
+        if trial % 3 == 0:
+            x[1, :7] = float("nan")
+        if trial % 5 == 0:
+            x = x[:, ::3]
+        assert torch.equal(argmax_tokens(x), x.argmax(dim=-1))
+        assert torch.equal(argmax_tokens(x.half()), x.half().argmax(dim=-1))
