@@ -169,6 +169,20 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
                                           scale=scale).view(1, hq, d)
 
 
+def native_paged_attend(q: torch.Tensor, kv_cache: torch.Tensor, scale: float, nkeys: list[int],
+                        positions: torch.Tensor | None, blocks: torch.Tensor,
+                        blocks_checked: bool = False) -> torch.Tensor | None:
+    """The native operator over a paged cache read in place (the floats of a gathered copy, without the copy; see
+    ``rooflm.kernels.cpu_native.ops.attend`` for ``nkeys``, ``positions`` and ``blocks``); None where it does not
+    apply: a cache that is not a plain contiguous tensor of q's dtype, or no native library."""
+    if type(kv_cache) is not torch.Tensor or kv_cache.dtype != q.dtype or not kv_cache.is_contiguous():
+        return None
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    planes = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    return native_attend(q, planes[0], planes[1], scale, nkeys, positions, blocks=blocks, block_size=block_size,
+                         blocks_checked=blocks_checked)
+
+
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
             blocks: torch.Tensor | None = None, blocks_range: tuple[int, int] | None = None) -> torch.Tensor:
     """One query per sequence, full attention. q [S, H, D] -> [S, H, D]. ``blocks``: the one sequence's block
@@ -180,26 +194,19 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
         seq_len = meta.seq_lens_cpu[0]
         if blocks is None:
             blocks = meta.block_tables[0, : (seq_len + block_size - 1) // block_size].long()
-        if type(kv_cache) is torch.Tensor and kv_cache.dtype == q.dtype and kv_cache.is_contiguous():
-            # the native operator reads the context in place: the floats of the gathered copy, without the copy
-            planes = kv_cache.view(2, -1, num_kv_heads, head_dim)
-            checked = blocks_range is not None and 0 <= blocks_range[0] and blocks_range[1] < kv_cache.shape[1]
-            out = native_attend(q, planes[0], planes[1], scale, [seq_len], blocks=blocks, block_size=block_size,
-                                blocks_checked=checked)
-            if out is not None:
-                return out
+        checked = blocks_range is not None and 0 <= blocks_range[0] and blocks_range[1] < kv_cache.shape[1]
+        out = native_paged_attend(q, kv_cache, scale, [seq_len], None, blocks, checked)
+        if out is not None:
+            return out
         kv = _gather(kv_cache, blocks, q.dtype).flatten(1, 2)[:, :seq_len]  # [2, L, Hkv, D]
         return decode_attention(q, kv[0], kv[1], scale)
     max_blocks = (meta.max_seq_len + block_size - 1) // block_size
     tables = meta.block_tables[:, :max_blocks].long()
-    if type(kv_cache) is torch.Tensor and kv_cache.dtype == q.dtype and kv_cache.is_contiguous():
-        # several sequences, each through its own block table in one native call: each one's floats are those of its
-        # decode step alone
-        planes = kv_cache.view(2, -1, num_kv_heads, head_dim)
-        out = native_attend(q, planes[0], planes[1], scale, list(meta.seq_lens_cpu), blocks=tables,
-                            block_size=block_size)
-        if out is not None:
-            return out
+    # several sequences, each through its own block table in one native call: each one's floats are those of its
+    # decode step alone
+    out = native_paged_attend(q, kv_cache, scale, list(meta.seq_lens_cpu), None, tables)
+    if out is not None:
+        return out
     # several sequences: gather every table to the longest context and mask each sequence's tail
     length = max_blocks * block_size
     kv = _gather(kv_cache, tables, q.dtype).view(2, num_seqs, length, num_kv_heads, head_dim).transpose(2, 3)

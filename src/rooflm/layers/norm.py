@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rooflm.kernels.cpu_native.ops import rms_norm as native_rms_norm
 from rooflm.layers.custom_op import TRITON, CustomOp, OpSelection
 from rooflm.layers.linear import GEMV_MAX_ROWS, Linear, fused_gemv_allowed_by_env
 
@@ -26,8 +27,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm on the CPU path: the native operator for float32 (one call, ``rooflm.kernels.cpu_native.ops``), else
     torch's fused ``rms_norm``. The module forward and the lean decoder loop both call this, so they agree."""
-    from rooflm.kernels.cpu_native.ops import rms_norm as native_rms_norm
-
     out = native_rms_norm(x, weight, eps)
     return out if out is not None else F.rms_norm(x, weight.shape, weight, eps)
 

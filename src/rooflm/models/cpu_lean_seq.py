@@ -24,8 +24,8 @@ from rooflm.attention.cpu_backend import (
     decode_key_counts,
     decode_key_rows,
     heads_first,
+    native_paged_attend,
 )
-from rooflm.kernels.cpu_native.ops import attend as native_attend
 
 
 def consecutive(blocks: torch.Tensor) -> bool:
@@ -64,6 +64,8 @@ class SeqStep:
         # a short causal step after a cached prefix (a verify step) attends token by token as decode steps do
         self.as_decode = meta.num_tokens < seq_len and meta.num_tokens <= EXACT_MAX_QUERY
         self.rows = decode_key_rows(meta.num_tokens, seq_len, tree) if self.as_decode else None
+        # the native operator's form of the rows, made once for every layer
+        self.key_counts = decode_key_counts(meta.num_tokens, seq_len, self.rows) if self.as_decode else None
         self.view = None  # (size, stride, K offset, V offset) of the context as [L, Hkv, D] views
         if consecutive(self.blocks):
             start = int(self.blocks[0]) * bs * hkv * d
@@ -85,12 +87,9 @@ def attend_seq(step: SeqStep, attn, qkv: torch.Tensor, hq: int, hkv: int, kv_cac
 
     d = attn.head_dim
     qk = rotate_and_write(step, qkv, hq, hkv, d, kv_cache, step.meta)
-    if step.view is None and step.as_decode and qk.dtype == kv_cache.dtype:
+    if step.view is None and step.as_decode:
         # the native operator reads the paged context in place (the floats of the gathered copy, without the copy)
-        planes = kv_cache.view(2, -1, hkv, d)
-        out = native_attend(qk[:, :hq], planes[0], planes[1], attn.scale,
-                            *decode_key_counts(qk.shape[0], step.seq_len, step.rows), blocks=step.blocks,
-                            block_size=kv_cache.shape[2])
+        out = native_paged_attend(qk[:, :hq], kv_cache, attn.scale, *step.key_counts, step.blocks)
         if out is not None:
             return out
     if step.view is None:
