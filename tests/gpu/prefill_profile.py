@@ -1,8 +1,8 @@
 """Where a long prefill's time goes, per kernel: ``python tests/gpu/prefill_profile.py --quantization fp8
-[--input-len 2048]``. Loads Llama-2-7B with dummy weights, runs one warm prefill (one new token) and profiles a
-second one, then prints the kernels by total CUDA time, the GPU's idle gaps with the host operators inside them, and
-the wall time of the whole one-token generate call. A diagnostic for the FP8 W8A8 prefill (activation
-quantization, ``torch._scaled_mm``), not a test."""
+[--input-len 2048] [--no-profile --reps 15]``. Loads Llama-2-7B with dummy weights, runs one warm prefill (one new
+token) and profiles a second one, then prints the kernels by total CUDA time, the GPU's idle gaps with the host
+operators inside them, and the wall time of the whole one-token generate call. A diagnostic for the FP8 W8A8 prefill
+(activation quantization, ``torch._scaled_mm``), not a test."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +16,8 @@ def main() -> None:
     p.add_argument("--quantization", default="fp8")
     p.add_argument("--input-len", type=int, default=2048)
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--no-profile", action="store_true", help="only the wall times")
+    p.add_argument("--reps", type=int, default=5, help="timed one-token generate calls")
     a = p.parse_args()
     from rooflm import LLM, SamplingParams
 
@@ -26,19 +28,21 @@ def main() -> None:
     prompt = [[int(t) for t in torch.randint(100, 30000, (a.input_len,))]]
     llm.generate(prompt, sp, use_tqdm=False)
     torch.cuda.synchronize()
-    acts = [torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=acts) as prof:
-        llm.generate(prompt, sp, use_tqdm=False)
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=70))
-    _gaps(prof)
+    if not a.no_profile:
+        acts = [torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=acts) as prof:
+            llm.generate(prompt, sp, use_tqdm=False)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=70))
+        _gaps(prof)
     walls = []
-    for _ in range(5):
+    for _ in range(a.reps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         llm.generate(prompt, sp, use_tqdm=False)
         walls.append(time.perf_counter() - t0)
-    print(f"generate (one token) wall: median {sorted(walls)[2] * 1e3:.2f} ms, min {min(walls) * 1e3:.2f} ms")
+    print(f"generate (one token) wall: median {sorted(walls)[len(walls) // 2] * 1e3:.2f} ms, "
+          f"min {min(walls) * 1e3:.2f} ms over {len(walls)}")
 
 
 def _gaps(prof, top: int = 12) -> None:

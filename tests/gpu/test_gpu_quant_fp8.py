@@ -52,16 +52,21 @@ def test_linear_chooses_scaled_mm_on_the_fast_path_and_the_twin_on_the_reference
     _close(fast, layer(x), 1.5e-2)
 
 
-def test_fp8_model_on_gpu_matches_its_twin(tmp_path):
-    from rooflm.attention.metadata_utils import allocate_kv_caches, single_sequence_metadata
+def _tiny_fp8_model(tmp_path, dtype: torch.dtype, intermediate: int):
     from rooflm.loader import load_model
 
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 128,
-           "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "max_position_embeddings": 256}
+           "intermediate_size": intermediate, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "max_position_embeddings": 256}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    model, mc = load_model(str(tmp_path / "config.json"), dtype=torch.bfloat16, device="cuda", quantization="fp8",
-                           show_progress=False)
+    return load_model(str(tmp_path / "config.json"), dtype=dtype, device="cuda", quantization="fp8",
+                      show_progress=False)
+
+
+def test_fp8_model_on_gpu_matches_its_twin(tmp_path):
+    from rooflm.attention.metadata_utils import allocate_kv_caches, single_sequence_metadata
+
+    model, mc = _tiny_fp8_model(tmp_path, torch.bfloat16, 256)
     assert all(m.quant == "fp8" for m in model.modules() if isinstance(m, Linear))
     ids = list(range(3, 20))
 
@@ -75,3 +80,42 @@ def test_fp8_model_on_gpu_matches_its_twin(tmp_path):
 
     fast, twin = logits(False), logits(True)
     _close(fast, twin, 0.05)
+
+
+def test_fused_norm_and_activation_quantization_give_the_unfused_logits(tmp_path, monkeypatch):
+    """On the fast path the RMSNorm before qkv / gate_up and the SiLU-and-mul before down write the fp8 codes the
+    matmul reads (one kernel each instead of two): the logits equal those of the unfused pairs bit for bit."""
+    import rooflm.layers.activation as act_mod
+    import rooflm.layers.norm as norm_mod
+    from rooflm.attention.metadata_utils import allocate_kv_caches, single_sequence_metadata
+
+    model, mc = _tiny_fp8_model(tmp_path, torch.float16, 352)
+    calls = {"norm": 0, "act": 0}
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapper
+
+    monkeypatch.setattr(norm_mod, "rms_norm_fp8_linear", counted("norm", norm_mod.rms_norm_fp8_linear))
+    monkeypatch.setattr(act_mod, "silu_mul_fp8_linear", counted("act", act_mod.silu_mul_fp8_linear))
+
+    @torch.inference_mode()
+    def logits(n: int) -> torch.Tensor:
+        select_ops(model, "triton")  # the ops read ROOFLM_FUSED_GEMV when they choose
+        caches = allocate_kv_caches(mc.num_hidden_layers, 8, 4, mc.num_key_value_heads, mc.head_dim,
+                                    torch.float16, "cuda")
+        meta, pos = single_sequence_metadata(0, n, 4, "cuda")
+        ids = torch.arange(3, 3 + n, device="cuda")
+        return model.compute_logits(model(ids, pos, caches, meta))
+
+    for n in (5, 24):  # a few rows (decode-sized) and a prefill
+        monkeypatch.setenv("ROOFLM_FUSED_GEMV", "off")
+        unfused = logits(n)
+        assert calls == {"norm": 0, "act": 0}
+        monkeypatch.delenv("ROOFLM_FUSED_GEMV")
+        fused = logits(n)
+        assert calls["norm"] == 2 * mc.num_hidden_layers and calls["act"] == mc.num_hidden_layers
+        calls.update(norm=0, act=0)
+        assert torch.equal(fused, unfused)

@@ -61,3 +61,53 @@ def test_ties_round_to_even_at_every_scale_of_the_grid() -> None:
     assert float(s[0]) == 1.0 and torch.equal(s, s_ref)
     assert q.view(torch.uint8).tolist() == q_ref.view(torch.uint8).tolist()
     assert q.float()[0, :5].tolist() == [448.0, 128.0, -128.0, 8.0, 10.0]  # ties went to the even mantissa
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_and_quantization_in_one_kernel_equal_the_two_kernels(dtype: torch.dtype, with_residual: bool) -> None:
+    """The fused add + RMSNorm + quantization writes the codes, scales and residual stream that the RMSNorm kernel
+    followed by the quantization kernel write, bit for bit (rows of a width that is not a power of two, one row of
+    large values, one of zeros)."""
+    from rooflm.kernels.fp8_quant import quantize_rows_fp8, rms_norm_quantize_fp8
+    from rooflm.kernels.rmsnorm import rms_norm, rms_norm_ref
+    from rooflm.quantization.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX, quantize_fp8_per_token_reference
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(4, 96, generator=g) * torch.tensor([1.0, 20.0, 0.0, 3.0])[:, None]).to(_device(), dtype)
+    res = (torch.randn(4, 96, generator=g) * 2).to(_device(), dtype) if with_residual else None
+    w = (torch.rand(96, generator=g) + 0.5).to(_device(), dtype)
+    q, s, r = rms_norm_quantize_fp8(x, w, 1e-5, res, FP8_DTYPE, FP8_MAX, _MIN_SCALE)
+    if with_residual:
+        h, r_ref = rms_norm(x, w, 1e-5, res)
+        assert torch.equal(r, r_ref) and not torch.equal(r, x)
+    else:
+        h = rms_norm(x, w, 1e-5)
+        assert r is x
+    q_ref, s_ref = quantize_rows_fp8(h, FP8_DTYPE, FP8_MAX, _MIN_SCALE)
+    assert q.shape == (4, 96) and s.shape == (4, 1)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    # and the codes dequantize to the torch twin's normalised rows within one step of fp8's grid (a last-place
+    # difference of the norm in bfloat16 may move a value across a rounding boundary of the 3-bit mantissa)
+    h_twin = rms_norm_ref(x, w, 1e-5, res)
+    h_twin = h_twin[0] if with_residual else h_twin
+    q_twin, s_twin = quantize_fp8_per_token_reference(h_twin)
+    assert torch.allclose(q.float() * s, q_twin.float() * s_twin, rtol=0.13, atol=1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm_quantize_fp8(x, w, 1e-5, x[:2], FP8_DTYPE, FP8_MAX, _MIN_SCALE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_silu_mul_and_quantization_in_one_kernel_equal_the_two_kernels(dtype: torch.dtype) -> None:
+    from rooflm.kernels.activation import silu_and_mul
+    from rooflm.kernels.fp8_quant import quantize_rows_fp8, silu_and_mul_quantize_fp8
+    from rooflm.quantization.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX
+
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(3, 2 * 80, generator=g) * torch.tensor([1.0, 6.0, 0.0])[:, None]).to(_device(), dtype)
+    q, s = silu_and_mul_quantize_fp8(x, FP8_DTYPE, FP8_MAX, _MIN_SCALE)
+    q_ref, s_ref = quantize_rows_fp8(silu_and_mul(x), FP8_DTYPE, FP8_MAX, _MIN_SCALE)
+    assert q.shape == (3, 80) and s.shape == (3, 1)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    with pytest.raises(ValueError, match="gate"):
+        silu_and_mul_quantize_fp8(x[:, :-1], FP8_DTYPE, FP8_MAX, _MIN_SCALE)

@@ -87,7 +87,12 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        k: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: the step's rotated keys, as written
+        v: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: the step's values, as written
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """``k`` and ``v`` (optional) are the new tokens' keys and values that ``rotary_and_write`` just wrote: a
+        backend may attend to them directly where the cache holds nothing else for the step's sequences (fresh
+        prompts), instead of reading them back from the cache."""
         ...
 
 

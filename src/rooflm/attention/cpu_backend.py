@@ -125,7 +125,9 @@ class CpuAttention:
         return native_rope_write(qk, v, cos2, sin2, kv_cache, meta.slot_mapping)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               sliding_window: int | None = None) -> torch.Tensor:
+               sliding_window: int | None = None, k: torch.Tensor | None = None,
+               v: torch.Tensor | None = None) -> torch.Tensor:
+        """``k`` and ``v`` are accepted for the backend protocol and not used: the cache is read in place."""
         self._step(meta, kv_cache.shape[2])
         if meta.is_decode_only and sliding_window is None:
             return _decode(q, kv_cache, meta, scale, self._decode_blocks, self._decode_blocks_range)

@@ -100,6 +100,8 @@ class TorchRefAttention:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        k: torch.Tensor | None = None,  # accepted for the protocol; the reference reads the cache
+        v: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if meta.is_decode_only and meta.num_seqs > 1 and meta.tree_masks is None:
             return attend_decode_batched(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window)

@@ -8,7 +8,8 @@ Same contract as ``TorchRefAttention`` (see ``attention/backend.py``), which is 
      graph; any other step (prefill, chunked prefill, prefix-cache hits, mixed batches) runs the paged prefill/extend
      kernel (FlashAttention-style, causal, cached prefix, optional sliding window); a token-tree verification step
      passes the tree masks to the same kernel (``attention/tree_mask.py``): a tree's new tokens see their ancestors
-     only, the other sequences of the batch stay causal.
+     only, the other sequences of the batch stay causal. A step of a few fresh prompts (no cached context) attends
+     over the step's own k and v through PyTorch's fused attention instead (``attention/dense_prefill.py``).
 GQA is handled inside the kernels; K/V are never repeated. A quantized cache (``QuantizedKVCache``) is quantized by
 the write kernel and dequantized in registers by both attention kernels.
 """
@@ -17,6 +18,8 @@ from __future__ import annotations
 import torch
 
 from rooflm.attention.backend import AttentionMetadata
+from rooflm.attention.dense_prefill import attend as dense_prefill
+from rooflm.attention.dense_prefill import usable as dense_prefill_usable
 from rooflm.attention.kv_quant import KVCache
 from rooflm.attention.tree_mask import packed_tree_masks
 from rooflm.kernels.decode_attention import paged_decode_attention
@@ -41,11 +44,15 @@ class TritonAttention:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        out = torch.empty_like(q)
         if meta.is_decode_only and meta.num_tokens == meta.num_seqs:  # a one-token tree sees itself: causal
             return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window,
-                                          out=out)
+                                          out=torch.empty_like(q))
+        if k is not None and v is not None and dense_prefill_usable(q, kv_cache, meta, sliding_window):
+            return dense_prefill(q, k, v, meta, scale)
+        out = torch.empty_like(q)
         return paged_prefill_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                        meta.max_query_len, scale, sliding_window, out=out,
                                        tree=packed_tree_masks(meta))

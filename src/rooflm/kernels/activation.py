@@ -15,15 +15,22 @@ from rooflm.kernels._utils import check_last_dim_contiguous
 
 
 @triton.jit
+def silu_mul_row(x_ptr, row, stride_x, offs, mask, d):
+    """silu(gate) * up at columns ``offs`` of one [gate | up] row, in x's dtype (masked lanes 0). Shared with the
+    fp8 kernel that quantizes it (``rooflm/kernels/fp8_quant.py``), so both round alike."""
+    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + d + offs, mask=mask, other=0.0)
+    a = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty)
+    return (a.to(tl.float32) * u.to(tl.float32)).to(x_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
-    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * stride_x + d + offs, mask=mask, other=0.0)
-    a = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_o + offs, (a.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_ptr + row * stride_o + offs, silu_mul_row(x_ptr, row, stride_x, offs, mask, d).to(
+        out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -165,11 +165,18 @@ def prefill_attention_bench(dtype=torch.float16) -> list[dict]:
         qq = q.transpose(0, 1)[None]
         sdpa = _events_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True),
                           reps=10)
+        from rooflm.attention.dense_prefill import attend as dense_attend
+        from rooflm.attention.metadata_utils import build_attention_metadata
+
+        meta, _ = build_attention_metadata([list(range(nblk))], [0], [T], bs, "cuda")
+        kv = cache.reshape(2, T, kv_heads, D)
+        dense = _events_ms(lambda: dense_attend(q, kv[0], kv[1], meta, D ** -0.5), reps=10)
         best = min((v for v in res.values() if v == v), default=float("nan"))
         rows.append({"tokens": T, "heads": H, "kv_heads": kv_heads,
                      "us": {k: round(v * 1e3, 1) for k, v in res.items()},
                      "tflops_default": flops / res["default"] / 1e9, "tflops_best": flops / best / 1e9,
-                     "sdpa_contiguous_tflops": flops / sdpa / 1e9})
+                     "sdpa_contiguous_tflops": flops / sdpa / 1e9,
+                     "dense_prefill_tflops": flops / dense / 1e9})  # rooflm.attention.dense_prefill
     return rows
 
 

@@ -18,15 +18,11 @@ from rooflm.kernels._utils import check_last_dim_contiguous, next_pow2
 
 
 @triton.jit
-def _rmsnorm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    stride_x, stride_r, stride_o, stride_ro,
-    n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n_cols
+def add_rmsnorm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, offs, mask, n_cols, eps,
+                    HAS_RESIDUAL: tl.constexpr):
+    """One row of the (add +) RMSNorm in x's dtype, masked lanes 0; with HAS_RESIDUAL the sum x + residual is
+    stored as the new residual stream. Shared with the fp8 kernels that quantize the norm's output
+    (``rooflm/kernels/fp8_quant.py``), so both round alike."""
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
@@ -36,8 +32,22 @@ def _rmsnorm_kernel(
     var = tl.sum(xf * xf, 0) / n_cols
     y = (xf * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_o + offs, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    return (w.to(tl.float32) * y.to(tl.float32)).to(x_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_x, stride_r, stride_o, stride_ro,
+    n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    o = add_rmsnorm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, offs, mask, n_cols,
+                        eps, HAS_RESIDUAL)
+    tl.store(out_ptr + row * stride_o + offs, o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(

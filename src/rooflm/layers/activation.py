@@ -6,10 +6,13 @@ import torch.nn.functional as F
 
 from rooflm.layers.custom_op import TRITON, CustomOp, OpSelection
 from rooflm.layers.linear import GEMV_MAX_ROWS, Linear, fused_gemv_allowed_by_env
+from rooflm.quantization.fp8 import QUANT_KERNEL_MAX_ROW as FP8_MAX_ROW
+from rooflm.quantization.fp8 import silu_mul_fp8_linear
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: [num_tokens, 2 * intermediate] laid out as [gate | up]. Returns silu(gate) * up: [num_tokens, intermediate]."""
+    """gate_up: [num_tokens, 2 * intermediate] laid out as [gate | up]. Returns silu(gate) * up:
+    [num_tokens, intermediate]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -54,7 +57,10 @@ class SiluAndMulLinear(CustomOp):
 
     def forward_cuda(self, gate_up: torch.Tensor) -> torch.Tensor:
         _, proj = self._parts
-        # a quantized proj has no float weight for the fused GEMV to read: the activation, then the quantized matmul
+        if self.fuse and proj.fp8_tensor_cores and gate_up.dim() == 2 and gate_up.shape[1] <= 2 * FP8_MAX_ROW:
+            # fp8 W8A8: the activation's kernel writes the quantized input of the fp8 matmul
+            return silu_mul_fp8_linear(gate_up, proj.fp8_weight, proj.bias)
+        # a packed proj has no float weight for the fused GEMV to read: the activation, then the quantized matmul
         if self.fuse and not proj.quantized and gate_up.dim() == 2 and gate_up.shape[0] <= GEMV_MAX_ROWS:
             from rooflm.kernels.fused_gemv import pick_silu_mul_gemv, silu_mul_gemv
 

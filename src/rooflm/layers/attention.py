@@ -52,7 +52,7 @@ class Attention(CustomOp):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         q, k = self.backend.rotary_and_write(q, k, v, cos, sin, kv_cache, meta)
-        out = self.backend.attend(q, kv_cache, meta, self.scale, self.sliding_window)
+        out = self.backend.attend(q, kv_cache, meta, self.scale, self.sliding_window, k, v)
         if meta.attn_scores is not None:  # H2O: the probabilities the fused attention does not give
             meta.attn_scores.add(q, kv_cache, self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

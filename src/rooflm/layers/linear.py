@@ -111,6 +111,12 @@ class QuantizableMixin:
         return self._fp8
 
     @property
+    def fp8_tensor_cores(self) -> bool:
+        """True when the matmul runs on fp8 tensor cores (``torch._scaled_mm``): the fused norm / activation ops
+        may then hand it activations they quantized themselves."""
+        return self.quant == "fp8" and getattr(self, "_impl_fn", None) is _fp8_scaled_mm
+
+    @property
     def weight_nbytes(self) -> int:
         """Bytes of the weight one matmul reads (codes, scales and mins when quantized; the bias excluded)."""
         if self._packed is not None:

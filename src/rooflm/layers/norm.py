@@ -14,6 +14,8 @@ from torch import nn
 from rooflm.kernels.cpu_native.ops import rms_norm as native_rms_norm
 from rooflm.layers.custom_op import TRITON, CustomOp, OpSelection
 from rooflm.layers.linear import GEMV_MAX_ROWS, Linear, fused_gemv_allowed_by_env
+from rooflm.quantization.fp8 import QUANT_KERNEL_MAX_ROW as FP8_MAX_ROW
+from rooflm.quantization.fp8 import rms_norm_fp8_linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -110,7 +112,11 @@ class RMSNormLinear(CustomOp):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         norm, proj = self._parts
-        # a quantized proj has no float weight for the fused GEMV to read: norm, then the quantized matmul
+        if self.fuse and proj.fp8_tensor_cores and x.dim() == 2 and x.shape[1] <= FP8_MAX_ROW and (
+                residual is None or residual.shape == x.shape):
+            # fp8 W8A8: the norm's kernel writes the quantized activations the fp8 matmul reads
+            return rms_norm_fp8_linear(x, norm.weight, norm.eps, residual, proj.fp8_weight, proj.bias)
+        # a packed proj has no float weight for the fused GEMV to read: norm, then the quantized matmul
         if self.fuse and not proj.quantized and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
             from rooflm.kernels.fused_gemv import pick_rmsnorm_gemv, rmsnorm_gemv
 

@@ -19,6 +19,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 FP8_MIN_CAPABILITY = (8, 9)
 _MIN_SCALE = 1e-12  # an all-zero row or token keeps a finite scale
+# The widest row the quantization kernels take (``rooflm.kernels.fp8_quant``: one program holds a row in registers).
+QUANT_KERNEL_MAX_ROW = 65536
 
 
 @dataclass
@@ -35,6 +37,10 @@ class Fp8Weight:
         if self.scale.dtype != torch.float32 or tuple(self.scale.shape) != (self.weight.shape[0],):
             raise ValueError(f"scale must be float32 of shape ({self.weight.shape[0]},), got {self.scale.dtype} "
                              f"{tuple(self.scale.shape)}")
+        # The views ``torch._scaled_mm`` takes, made once: at a prefill's 128 projections the two view operations per
+        # call are host time the GPU waits for.
+        self.weight_t = self.weight.t()  # column-major [K, N]: the second operand's required layout
+        self.scale_row = self.scale[None, :]  # [1, N]
 
     @property
     def out_features(self) -> int:
@@ -115,7 +121,33 @@ def fp8_linear_scaled_mm(x: torch.Tensor, fw: Fp8Weight, bias: torch.Tensor | No
     accumulating in float32 and writing x's dtype)."""
     lead = x.shape[:-1]
     xq, sx = quantize_fp8_per_token(x.reshape(-1, x.shape[-1]))
+    return fp8_matmul(xq, sx, fw, bias, x.dtype).reshape(*lead, fw.out_features)
+
+
+def fp8_matmul(xq: torch.Tensor, sx: torch.Tensor, fw: Fp8Weight, bias: torch.Tensor | None,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """``(xq * sx) @ (W * scale).T + bias`` on fp8 tensor cores, from activations already quantized per token:
+    xq [M, K] fp8 codes, sx [M, 1] float32 -> [M, N] in ``out_dtype``."""
     # _scaled_mm wants the second operand column-major: w_fp8.T of a row-major [N, K] weight is exactly that.
-    y = torch._scaled_mm(xq, fw.weight.t(), scale_a=sx, scale_b=fw.scale[None, :], out_dtype=x.dtype)
-    y = y.reshape(*lead, fw.out_features)
+    y = torch._scaled_mm(xq, fw.weight_t, scale_a=sx, scale_b=fw.scale_row, out_dtype=out_dtype)
     return y if bias is None else y + bias
+
+
+def rms_norm_fp8_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                        fw: Fp8Weight, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8_linear_scaled_mm(rms_norm(x [+ residual])), x [+ residual])`` with the norm and the activations'
+    quantization in one kernel (``rooflm.kernels.fp8_quant.rms_norm_quantize_fp8``): the same codes and scales,
+    hence the same result, one launch and one float16 round trip fewer. x [M, K] on a CUDA device."""
+    from rooflm.kernels.fp8_quant import rms_norm_quantize_fp8
+
+    xq, sx, res = rms_norm_quantize_fp8(x, norm_weight, eps, residual, FP8_DTYPE, FP8_MAX, _MIN_SCALE)
+    return fp8_matmul(xq, sx, fw, bias, x.dtype), res
+
+
+def silu_mul_fp8_linear(gate_up: torch.Tensor, fw: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``fp8_linear_scaled_mm(silu_and_mul(gate_up))`` with the activation and the quantization in one kernel
+    (``rooflm.kernels.fp8_quant.silu_and_mul_quantize_fp8``). gate_up [M, 2 * d] on a CUDA device."""
+    from rooflm.kernels.fp8_quant import silu_and_mul_quantize_fp8
+
+    xq, sx = silu_and_mul_quantize_fp8(gate_up, FP8_DTYPE, FP8_MAX, _MIN_SCALE)
+    return fp8_matmul(xq, sx, fw, bias, gate_up.dtype)
