@@ -212,3 +212,23 @@ def test_finished_ids_wait_for_a_step_the_runner_executes():
     assert s.schedule().is_empty  # nothing to run: not executed
     s.add_request(make_request("b", 5, start=300))
     assert s.schedule().finished_req_ids == {"a"}
+
+
+def test_a_request_preempted_in_an_empty_step_is_removed_from_the_runner_before_it_is_readmitted():
+    """Asynchronous scheduling: while step 1 is in flight, "a" waits for its last token and "b" needs a block the
+    full pool does not have, so "b" preempts itself and step 2 schedules nothing (the engine does not run an empty
+    step). The runner still holds "b": the next step it runs must name "b" as preempted, in the same output that
+    sends it again as a new request (the runner removes before it adds)."""
+    s = make_scheduler(budget=64, max_seqs=2, num_blocks=2, prefix=False)
+    s.add_request(make_request("a", 4, max_tokens=1))
+    s.add_request(make_request("b", 4, max_tokens=8, start=200))
+    first = s.schedule()
+    assert first.num_scheduled_tokens == {"a": 4, "b": 4}
+    second = s.schedule()  # before step 1's tokens are back
+    assert second.is_empty and s.num_preemptions == 1
+    s.update_from_output(first, fake_output(first))  # "a" finishes; "b"'s token arrives while it waits
+    third = s.schedule()
+    assert [r.req_id for r in third.new_reqs] == ["b"]
+    assert third.preempted_req_ids == {"b"} and third.finished_req_ids == {"a"}
+    s.update_from_output(third, fake_output(third))
+    assert not step(s).preempted_req_ids  # told once

@@ -9,9 +9,9 @@ that is cuDNN's fused attention (a FlashAttention-style kernel written for Hoppe
 
 Why: measured at 2048 tokens, 32 heads of 128, causal, float16 on an H100 (``python -m rooflm.kernels.bench
 --sections prefill_attn``): the paged Triton kernel (``rooflm/kernels/prefill_attention.py``), which gathers every
-K/V row through the block table, ran 210-260 us per layer (130-165 TFLOP/s), PyTorch's FlashAttention-2 about
-200 us, cuDNN through ``scaled_dot_product_attention`` 122-134 us (255-280 TFLOP/s), with 32 or 8 KV heads. A 7B
-model's 2048-token prefill spends 32 such calls in attention.
+K/V row through the block table, ran 208-255 us per layer (135-165 TFLOP/s); this path about 135 us (254-257
+TFLOP/s), with 32 or 8 KV heads; PyTorch's FlashAttention-2 backend, forced, about 200 us. A 7B model's 2048-token
+prefill makes 32 such calls.
 
 Everything else keeps the Triton kernel: prefix-cache hits and later chunks (their context is in the cache only),
 token trees, sliding windows (``scaled_dot_product_attention`` has no window without a dense mask), quantized caches

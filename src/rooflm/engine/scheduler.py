@@ -53,6 +53,7 @@ class Scheduler:
         # Requests the runner holds state for, and how many of each one's blocks it has been sent.
         self._sent_blocks: dict[str, int] = {}
         self._finished_for_runner: set[str] = set()
+        self._preempted_for_runner: set[str] = set()  # preempted in steps the runner has not run yet
         self.num_preemptions = 0
         self.peak_blocks_used = 0
         # Prompt tokens computed, each position once: prefix-cache hits and recomputation after preemption excluded.
@@ -364,8 +365,12 @@ class Scheduler:
         used = self.kv.num_blocks - self.kv.num_free_blocks
         self.peak_blocks_used = max(self.peak_blocks_used, used)
         finished: set[str] = set()
-        if chosen:  # an empty step is not executed: keep the finished ids for the next one the runner sees
+        # An empty step is not executed: the runner sees the ids finished or preempted in it with the next step it
+        # runs (a request preempted in an empty step and admitted again later is then removed before it is re-added).
+        self._preempted_for_runner |= preempted
+        if chosen:
             finished, self._finished_for_runner = self._finished_for_runner, set()
+            preempted, self._preempted_for_runner = self._preempted_for_runner, set()
         # Swap copies wait for a step the runner executes: a step in which the only running request preempted itself
         # is empty, and the copy of its blocks out must still happen before any later step reuses them.
         swap_out, swap_in = self.swap.take() if self.swap is not None and chosen else ([], [])

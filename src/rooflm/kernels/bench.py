@@ -168,9 +168,12 @@ def prefill_attention_bench(dtype=torch.float16) -> list[dict]:
         from rooflm.attention.dense_prefill import attend as dense_attend
         from rooflm.attention.metadata_utils import build_attention_metadata
 
+        # the engine's layout: q, k and v are column slices of one [T, (H + 2 * H_kv) * D] projection output
         meta, _ = build_attention_metadata([list(range(nblk))], [0], [T], bs, "cuda")
-        kv = cache.reshape(2, T, kv_heads, D)
-        dense = _events_ms(lambda: dense_attend(q, kv[0], kv[1], meta, D ** -0.5), reps=10)
+        qkv = torch.cat([q.reshape(T, H * D), cache[0].reshape(T, -1), cache[1].reshape(T, -1)], dim=1)
+        qs, ks, vs = qkv.split([H * D, kv_heads * D, kv_heads * D], dim=1)
+        dense = _events_ms(lambda: dense_attend(qs.view(T, H, D), ks.view(T, kv_heads, D), vs.view(T, kv_heads, D),
+                                                meta, D ** -0.5), reps=10)
         best = min((v for v in res.values() if v == v), default=float("nan"))
         rows.append({"tokens": T, "heads": H, "kv_heads": kv_heads,
                      "us": {k: round(v * 1e3, 1) for k, v in res.items()},
