@@ -39,65 +39,6 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, n0, hi, q_pos, offs_m, mask_m, offs_d, mask_d, bt_row, k_ptr, v_ptr, ks_ptr, vs_ptr,
-                 tree_ptr, tree_off, tree_from, ctx_len, q_len, qk_scale, window, stride_kb, stride_ks, stride_kh,
-                 stride_sb, stride_ss, stride_sh, kvh, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DOT_UPCAST: tl.constexpr, KV_QUANT: tl.constexpr, TREE: tl.constexpr, MASKED: tl.constexpr,
-                 EVEN_D: tl.constexpr):
-    """One key tile [n0, n0 + BLOCK_N) of the online softmax. MASKED=False: every key of the tile exists and every
-    query of the tile sees it (no bounds, causal, window or tree test)."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    if MASKED:
-        mask_n = offs_n < hi
-        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
-    else:
-        blk = tl.load(bt_row + offs_n // BLOCK_SIZE).to(tl.int64)
-    row = blk * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks + kvh * stride_kh
-    if MASKED:
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D]
-        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # issued with K
-    elif EVEN_D:
-        k = tl.load(k_ptr + row[:, None] + offs_d[None, :])
-        v = tl.load(v_ptr + row[:, None] + offs_d[None, :])
-    else:
-        k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0)
-        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0)
-    if KV_QUANT:
-        srow = blk * stride_sb + (offs_n % BLOCK_SIZE) * stride_ss + kvh * stride_sh
-        if MASKED:
-            k_sc = tl.load(ks_ptr + srow, mask=mask_n, other=0.0)  # [BLOCK_N]
-            v_sc = tl.load(vs_ptr + srow, mask=mask_n, other=0.0)
-        else:
-            k_sc = tl.load(ks_ptr + srow)
-            v_sc = tl.load(vs_ptr + srow)
-        # exact (through float32: Triton 3.9's interpreter converts int8 -> bfloat16 wrongly); the scale
-        # multiplies the scores
-        k = k.to(tl.float32).to(q.dtype)
-        v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
-    s = dot(q, tl.trans(k), DOT_UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
-    if KV_QUANT:
-        s = s * k_sc[None, :]
-    if MASKED:
-        allowed = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        allowed = allowed & ((window <= 0) | (offs_n[None, :] > q_pos[:, None] - window))
-        if TREE:
-            new_k = offs_n - ctx_len  # index among the step's new tokens (< 0: cached context)
-            in_tree = (offs_n >= tree_from) & mask_n  # [BLOCK_N]
-            t = tl.load(tree_ptr + tree_off + offs_m[:, None] * q_len + new_k[None, :],
-                        mask=mask_m[:, None] & in_tree[None, :], other=0)
-            allowed = tl.where(in_tree[None, :], t != 0, allowed)
-        s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at zero
-    p = tl.exp2(s - m_ref[:, None])
-    alpha = tl.exp2(m_i - m_ref)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_UPCAST)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, tree_off_ptr, tree_ptr,
@@ -113,8 +54,7 @@ def _prefill_kernel(
     KV_QUANT: tl.constexpr,
     TREE: tl.constexpr,
 ):
-    # the last query tiles see the most keys: launched first, they do not leave a long tail at the end of the grid
-    mblk = tl.num_programs(0) - 1 - tl.program_id(0)
+    mblk = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -151,24 +91,41 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     bt_row = block_tables_ptr + seq * stride_bt
-    # Two phases, as in the fused-attention tutorial of Triton: the key tiles wholly before this tile's first query
-    # are visible to every query (causal, no window, no tree), so they skip the mask arithmetic; the tiles from
-    # there to ``hi`` (the diagonal, or everything under a window or a tree) are masked.
-    if TREE:
-        full_hi = lo
-    else:
-        full_hi = tl.where(window > 0, lo, tl.maximum((ctx_len + mblk * BLOCK_M) // BLOCK_N * BLOCK_N, lo))
-    for phase in tl.static_range(2):  # 0: the unmasked tiles, 1: the masked ones
-        if phase == 0:
-            n_lo, n_hi = lo, full_hi
-        else:
-            n_lo, n_hi = full_hi, hi
-        for n0 in range(n_lo, n_hi, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, n0, hi, q_pos, offs_m, mask_m, offs_d, mask_d, bt_row, k_ptr, v_ptr, ks_ptr,
-                vs_ptr, tree_ptr, tree_off, tree_from, ctx_len, q_len, qk_scale, window, stride_kb, stride_ks,
-                stride_kh, stride_sb, stride_ss, stride_sh, kvh, BLOCK_SIZE, BLOCK_N, DOT_UPCAST, KV_QUANT,
-                TREE and phase == 1, phase == 1, HEAD_DIM == HEAD_DIM_PAD)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+        row = blk * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks + kvh * stride_kh
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # issued with K
+        if KV_QUANT:
+            srow = blk * stride_sb + (offs_n % BLOCK_SIZE) * stride_ss + kvh * stride_sh
+            k_sc = tl.load(ks_ptr + srow, mask=mask_n, other=0.0)  # [BLOCK_N]
+            v_sc = tl.load(vs_ptr + srow, mask=mask_n, other=0.0)
+            # exact (through float32: Triton 3.9's interpreter converts int8 -> bfloat16 wrongly); the scale
+            # multiplies the scores
+            k = k.to(tl.float32).to(q.dtype)
+            v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
+        s = dot(q, tl.trans(k), DOT_UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if KV_QUANT:
+            s = s * k_sc[None, :]
+        allowed = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        allowed = allowed & ((window <= 0) | (offs_n[None, :] > q_pos[:, None] - window))
+        if TREE:
+            new_k = offs_n - ctx_len  # index among the step's new tokens (< 0: cached context)
+            in_tree = (offs_n >= tree_from) & mask_n  # [BLOCK_N]
+            t = tl.load(tree_ptr + tree_off + offs_m[:, None] * q_len + new_k[None, :],
+                        mask=mask_m[:, None] & in_tree[None, :], other=0)
+            allowed = tl.where(in_tree[None, :], t != 0, allowed)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at zero
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_UPCAST)
+        m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     acc = acc / l_safe[:, None]
