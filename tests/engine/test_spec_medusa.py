@@ -131,3 +131,42 @@ def test_sampled_tokens_with_a_medusa_tree_follow_the_target(tmp_path):
     stats = engine.get_stats()
     assert stats.spec_verifications >= n and stats.spec_accepted_tokens > 0
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_medusa_heads_share_the_native_lm_head_product(tmp_path):
+    """On the CPU's native quantized kernel (each row scored on its own) the heads' rows ride in the step's own LM
+    head product: the target's logits and the heads' are bit-equal to separate products, and greedy Medusa decoding
+    of the default GGUF model kept quantized gives the plain path's tokens while drafting from the fused product."""
+    from rooflm.kernels.cpu_native import native_library
+    from rooflm.llm import LLM
+    from rooflm.spec_decode.medusa import MedusaDrafter, fusable_lm_head
+
+    if native_library() is None:
+        pytest.skip("the native CPU kernels do not build on this machine")
+    llm = LLM(None, show_progress=False, kv_cache_memory=32 * 2**20, max_num_seqs=4)
+    model, cfg = llm.engine.model, llm.engine.model_config
+    assert fusable_lm_head(model.lm_head)
+    heads = _heads(cfg, 3, 0.5)
+    save_medusa_heads(heads, tmp_path / "h", model_identity(cfg, None))
+    h = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    spec_llm = LLM(None, show_progress=False, kv_cache_memory=32 * 2**20, max_num_seqs=4,
+                   speculative_config=_spec(str(tmp_path / "h"), k=2))
+    drafter = spec_llm.engine.runner.drafter
+    assert isinstance(drafter, MedusaDrafter) and drafter.fuse
+    with torch.inference_mode():
+        logits, head_logits = drafter.fused_logits(h)
+        assert torch.equal(logits, model.compute_logits(h))
+        alone = model.compute_logits(heads(h, 2).reshape(-1, cfg.hidden_size)).view(3, 2, -1)
+        assert torch.equal(head_logits, alone)
+    prompts = ["It is a truth universally acknowledged, that a single man",
+               "The Project Gutenberg eBook of Emma, by Jane Austen. Emma Woodhouse, handsome, clever, and rich,"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    fused = []
+    original = drafter.observe
+    drafter.observe = lambda rows, hidden, head_logits=None: (fused.append(head_logits is not None),
+                                                               original(rows, hidden, head_logits))
+    got = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert fused and all(fused), "the heads did not draft from the step's product"
+    assert spec_llm.engine.get_stats().spec_verifications > 0

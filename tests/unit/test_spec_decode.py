@@ -75,6 +75,20 @@ def test_greedy_verification_keeps_the_matching_prefix_and_the_targets_token():
     assert tokens.tolist() == [[3, 4, 9, -1], [7, 1, -1, -1]]
 
 
+def test_greedy_verification_on_the_host_equals_the_tensor_path():
+    """All-greedy CPU batches take a list-based path; a batch with one sampled request takes the tensor path, where
+    the greedy rows must come out the same (rows do not influence each other)."""
+    g = torch.Generator().manual_seed(0)
+    v, drafts = 6, [[1, 2, 3], [0], [4, 4], [5, 1, 0, 2]]
+    for _ in range(50):
+        rows = sum(len(d) + 1 for d in drafts)
+        logits = torch.randn(rows + 2, v, generator=g)
+        params = [SamplingParams(temperature=0)] * rows + [SamplingParams(temperature=1.0)] * 2
+        fast = verify(logits[:rows], drafts, _md(params[:rows]), [True] * 4, [None] * 4)
+        mixed = verify(logits, drafts + [[3]], _md(params), [True] * 4 + [False], [None] * 5)
+        assert fast[0].tolist() == mixed[0][:4].tolist() and fast[1].tolist() == mixed[1][:4].tolist()
+
+
 @pytest.mark.parametrize("draft_prob", [0.05, 0.4, 0.9])
 def test_rejection_sampling_follows_the_target_distribution(draft_prob):
     """Chain of 2 drafts at temperature 1: the first output token is distributed as p at position 0, and given that

@@ -51,8 +51,10 @@ class MedusaHeads(nn.Module):
         """[N, H] -> [N, k, H]: the inputs of the LM head for heads 1..k (k = ``num_heads`` or all)."""
         k = self.num_heads if num_heads is None else num_heads
         h = hidden.to(self.weight.dtype)
-        z = torch.einsum("nh,koh->nko", h, self.weight[:k]) + self.bias[:k]
-        return (h.unsqueeze(1) + F.silu(z)).to(hidden.dtype)
+        # the k blocks as one [k * H, H] product: a single matrix-vector call at decode (an einsum took 2-5x longer
+        # on the CPU for one row)
+        z = F.linear(h, self.weight[:k].reshape(k * self.hidden_size, self.hidden_size), self.bias[:k].reshape(-1))
+        return (h.unsqueeze(1) + F.silu(z.view(-1, k, self.hidden_size))).to(hidden.dtype)
 
 
 def model_identity(cfg: ModelConfig, name: str | None) -> dict[str, Any]:
@@ -114,6 +116,14 @@ def load_medusa_heads(path: str | os.PathLike, target_cfg: ModelConfig | None = 
     return heads.to(device=device, dtype=dtype).eval(), meta
 
 
+def fusable_lm_head(lm_head: nn.Module | None) -> bool:
+    """Whether ``lm_head``'s product scores each row exactly as it would alone, whatever the other rows: the CPU's
+    native quantized kernel does (each row's dot products are its own, in a fixed order); BLAS and GPU matmuls may
+    pick another blocking for another number of rows, so the target's logits could move by a rounding."""
+    cw = getattr(lm_head, "_cpu_weight", None)
+    return getattr(cw, "kind", None) == "native" and getattr(cw, "perm", None) is None
+
+
 class MedusaDrafter(Drafter):
     """The runner's drafter for ``method: "medusa"`` (same interface as ``Drafter``; no KV cache of its own)."""
 
@@ -137,17 +147,38 @@ class MedusaDrafter(Drafter):
         self.kv_caches: list = []
         self.owns_cache = False
         self.hidden = torch.zeros(0, target_cfg.hidden_size, dtype=dtype, device=device)  # per persistent row
-        # The k heads' rows share one LM head matmul (its weights read once) and each reads its own W_i: the cost of
-        # one step's drafts over a decode step, spread over its k drafts (the proposer counts k drafts' cost).
         lm_head = getattr(target, "lm_head", None)
-        draft_bytes = (weight_bytes(lm_head) if lm_head is not None else 0) + weight_bytes(heads)
+        # Heads drafted inside the step's own LM head product (``fused_logits``) where that product scores every
+        # row exactly as it would alone; then the heads' logits of each persistent row are kept here until drafting.
+        self.fuse = fusable_lm_head(lm_head)
+        self.depth = self.tree.depth if self.tree is not None else self.k  # heads a proposal reads
+        self.head_logits: dict[int, torch.Tensor] = {}  # persistent row -> [depth, V], from this step's product
+        # The k heads' rows share one LM head matmul (its weights read once) and each reads its own W_i: the cost of
+        # one step's drafts over a decode step, spread over its k drafts (the proposer counts k drafts' cost). Fused
+        # into the step's product, the LM head's weights are read once for both, and only the heads' are extra.
+        draft_bytes = (weight_bytes(lm_head) if lm_head is not None and not self.fuse else 0) + weight_bytes(heads)
         self.cost_fraction = draft_bytes / max(1, decode_weight_bytes(target)) / self.k
         self.pending: dict[str, tuple[list[int], torch.Tensor | None]] = {}
 
-    def observe(self, rows: torch.Tensor, hidden: torch.Tensor) -> None:
-        """The final hidden states that produced the newest token of the requests in persistent ``rows``."""
+    def fused_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's logits of ``hidden`` [N, H] and, when this drafter fuses, its heads' logits [N, depth, V]
+        from the same LM head product (one read of its weights: on a memory-bound CPU step a whole pass saved).
+        Exact: the product scores each row as it would alone (``fusable_lm_head``)."""
+        if not (self.fuse and self.enabled) or hidden.shape[0] == 0:
+            return self.compute_logits(hidden), None
+        n = hidden.shape[0]
+        h = self.heads(hidden, self.depth).reshape(-1, hidden.shape[-1])
+        logits = self.compute_logits(torch.cat((hidden, h.to(hidden.dtype))))
+        return logits[:n], logits[n:].view(n, self.depth, -1)
+
+    def observe(self, rows: torch.Tensor, hidden: torch.Tensor, head_logits: torch.Tensor | None = None) -> None:
+        """The final hidden states that produced the newest token of the requests in persistent ``rows`` (and their
+        heads' logits [R, depth, V] when the step's LM head product made them)."""
         if rows.numel() == 0:
             return
+        if head_logits is not None:
+            for i, row in enumerate(rows.tolist()):
+                self.head_logits[row] = head_logits[i]
         need = int(rows.max().item()) + 1
         if need > self.hidden.shape[0]:
             grown = torch.zeros(max(need, 2 * self.hidden.shape[0]), self.hidden.shape[1], dtype=self.hidden.dtype,
@@ -166,20 +197,29 @@ class MedusaDrafter(Drafter):
         k = self.k if max_drafts is None else min(self.k, max_drafts)
         return max(0, min(k, self.max_model_len - 1 - position))
 
+    def _head_logits(self, reqs: list[DraftRequest], depth: int) -> torch.Tensor:
+        """[n, depth, V] float32: the heads' logits of each request's newest hidden state, from the step's fused
+        product where it made them (``fused_logits``), else from a product of their own."""
+        kept, self.head_logits = self.head_logits, {}
+        if all(r.row in kept for r in reqs):
+            return torch.stack([kept[r.row][:depth] for r in reqs])
+        rows = torch.tensor([r.row for r in reqs], device=self.device)
+        h = self.heads(self.hidden.index_select(0, rows), depth)  # [n, depth, H]
+        return self.compute_logits(h.reshape(-1, h.shape[-1])).view(len(reqs), depth, -1)
+
     @torch.inference_mode()
     def propose(self, reqs: list[DraftRequest], last_token: torch.Tensor) -> dict[str, list[int]]:
         self.pending = {}
         self.trees = {}
         reqs = [r for r in reqs if self.budget(r.position, len(r.block_ids), r.max_drafts) >= 1]
         if not reqs or not self.enabled:
+            self.head_logits = {}
             return {}
         if self.tree is not None:
             return self._propose_trees(reqs)
         limits = [self.budget(r.position, len(r.block_ids), r.max_drafts) for r in reqs]
         k = max(limits)
-        rows = torch.tensor([r.row for r in reqs], device=self.device)
-        h = self.heads(self.hidden.index_select(0, rows), k)  # [n, k, H]
-        logits = self.compute_logits(h.reshape(-1, h.shape[-1])).view(len(reqs), k, -1)  # [n, k, V] float32
+        logits = self._head_logits(reqs, k)  # [n, k, V] float32
         greedy = [r.params.greedy or r.params.top_k == 1 for r in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         chosen = [self._choose(logits[:, j], reqs, greedy, probs) for j in range(k)]
@@ -197,9 +237,7 @@ class MedusaDrafter(Drafter):
         deterministic for greedy and random requests alike: the verifier needs no draft distribution). A tree is
         cut to the request's remaining tokens (depth) and to the model's length (nodes, one KV slot each)."""
         shape = self.tree
-        rows = torch.tensor([r.row for r in reqs], device=self.device)
-        h = self.heads(self.hidden.index_select(0, rows), shape.depth)  # [n, depth, H]
-        logits = self.compute_logits(h.reshape(-1, h.shape[-1])).view(len(reqs), shape.depth, -1)
+        logits = self._head_logits(reqs, shape.depth)
         top = logits.topk(shape.top_k(), dim=-1).indices.tolist()  # [n, depth, top_k]
         result = {}
         for r, cand in zip(reqs, top):

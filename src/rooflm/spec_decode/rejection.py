@@ -48,6 +48,8 @@ def verify(logits: torch.Tensor, draft: list[list[int]], md: SamplingMetadata, g
         start += len(d) + 1
     if start != logits.shape[0]:
         raise ValueError(f"verify: {logits.shape[0]} logits rows for drafts that need {start}")
+    if device.type == "cpu" and all(greedy):
+        return _verify_greedy_host(argmax_tokens(logits).tolist(), draft, k_max)
     host = torch.tensor([lens] + [[int(g) for g in greedy]], dtype=torch.int64)
     idx_t = torch.tensor(idx, dtype=torch.int64).to(device, non_blocking=True)  # [R, K+1]
     x = torch.tensor(x_pad, dtype=torch.int64).to(device, non_blocking=True)  # [R, K]
@@ -96,3 +98,18 @@ def verify(logits: torch.Tensor, draft: list[list[int]], md: SamplingMetadata, g
     tokens = torch.where(cols < num_accepted.unsqueeze(1), x_ext,
                          torch.where(cols == num_accepted.unsqueeze(1), bonus, torch.full_like(x_ext, -1)))
     return tokens, num_accepted
+
+
+def _verify_greedy_host(argmax: list[int], draft: list[list[int]], k_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify`` for greedy rows whose logits are on the host: the same tokens and counts from the argmax list, in
+    a few list operations instead of a dozen small tensor ones (a tenth of a CPU verify step's overhead)."""
+    tokens, accepted, start = [], [], 0
+    for d in draft:
+        best = argmax[start:start + len(d) + 1]
+        n = 0
+        while n < len(d) and d[n] == best[n]:
+            n += 1
+        tokens.append(d[:n] + [best[n]] + [-1] * (k_max - n))
+        accepted.append(n)
+        start += len(d) + 1
+    return torch.tensor(tokens, dtype=torch.int64), torch.tensor(accepted, dtype=torch.int64)

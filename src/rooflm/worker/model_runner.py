@@ -292,12 +292,17 @@ class ModelRunner:
             s.num_computed_tokens += out.num_scheduled_tokens[s.req_id]
         req_ids = [s.req_id for s in states if s.req_id in sample_set]
         so = None
+        head_logits = None
         if plain:
             if graph_logits is not None and len(plain) == len(states) and self.graph_runner.query_len == 1:
                 logits = graph_logits  # a decode step: one row per request, every request samples
                 rows = rows_t
             else:
-                logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=self.device)])
+                sampled_hidden = hidden[torch.tensor(sample_idx, device=self.device)]
+                if hasattr(self.drafter, "fused_logits"):  # Medusa: the heads' rows in the same LM head product
+                    logits, head_logits = self.drafter.fused_logits(sampled_hidden)
+                else:
+                    logits = self.model.compute_logits(sampled_hidden)
                 rows = rows_t if len(plain) == len(states) else rows_t[torch.tensor(plain_pos, device=self.device)]
             md, penalty_rows, penalty_index = self._sampling_metadata(plain, rows, out)
             so = self.sampler(logits, md)  # [num_plain, vocab] float32 logits -> one token each
@@ -307,7 +312,7 @@ class ModelRunner:
             # Medusa heads draft from the hidden state that sampled; only a drafting step needs it (and a pipelined
             # step must not wait for its forward pass, as observe's row count does)
             if hasattr(self.drafter, "observe") and self.drafter.enabled:
-                self.drafter.observe(rows, hidden[torch.tensor(sample_idx, device=self.device)])
+                self.drafter.observe(rows, hidden[torch.tensor(sample_idx, device=self.device)], head_logits)
         # a verify graph scored every token of the step; when every token is a verified one, its logits are the rows
         verify_logits = (graph_logits if graph_logits is not None and self.graph_runner.query_len > 1
                          and len(spec_idx) == len(ids) else None)
@@ -343,7 +348,10 @@ class ModelRunner:
         from rooflm.spec_decode.rejection import verify
 
         drafts = [out.scheduled_spec_tokens[s.req_id] for s in spec]
-        if logits is None:
+        head_logits = None
+        if logits is None and hasattr(self.drafter, "fused_logits"):  # Medusa: the heads' rows in the same product
+            logits, head_logits = self.drafter.fused_logits(hidden[torch.tensor(spec_idx, device=self.device)])
+        elif logits is None:
             logits = self.model.compute_logits(hidden[torch.tensor(spec_idx, device=self.device)])  # [S, vocab]
         params = [s.params for s in spec for _ in range(len(out.scheduled_spec_tokens[s.req_id]) + 1)]
         md = SamplingMetadata.from_params(params, [[]] * len(params), [[]] * len(params), [None] * len(params),
@@ -366,7 +374,9 @@ class ModelRunner:
         self.batch.last_token.index_copy_(0, rows, tokens.gather(1, accepted.unsqueeze(1)).squeeze(1))
         if hasattr(self.drafter, "observe"):  # Medusa: the hidden state of each request's last accepted position
             firsts = torch.tensor(np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]]), device=self.device)
-            self.drafter.observe(rows, hidden[torch.tensor(spec_idx, device=self.device)[firsts + last]])
+            picked = firsts + last
+            self.drafter.observe(rows, hidden[torch.tensor(spec_idx, device=self.device)[picked]],
+                                 None if head_logits is None else head_logits[picked])
         return tokens, accepted
 
     def _spec_verified(self, req_ids: list[str], accepted: list[int]) -> None:
