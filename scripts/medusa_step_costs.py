@@ -1,7 +1,8 @@
 """Where a Medusa step's time goes on this machine: interleaved timings on one loaded model (the embedded default)
 of a decode step, verify steps of n tokens and of the default token tree (forward pass + LM head on every row, 250
-tokens of context), and a Medusa draft (the heads + the LM head on their k rows); medians of 6 runs, so load that
-drifts during the run hits every kind of step alike.
+tokens of context), a Medusa draft (the heads + the LM head on their k rows) and verify steps of k + 1 tokens with
+the k heads of every row in the same LM head product (``vN+hK``: what a chain step costs on the CPU's fused path,
+drafts included); medians of 6 runs, so load that drifts during the run hits every kind of step alike.
 
     PYTHONPATH=src python scripts/medusa_step_costs.py HEADS_DIR
 """
@@ -41,10 +42,21 @@ def main(heads_dir: str) -> None:
         h = torch.randn(1, cfg.hidden_size)
         return lambda: model.compute_logits(heads(h, k).reshape(-1, cfg.hidden_size))
 
+    def verify_with_heads(n: int, k: int):
+        """A verify step of n tokens whose k heads per row ride in its LM head product (the CPU's fused path)."""
+        meta, pos = build_attention_metadata([blocks], [CONTEXT], [n], 16, "cpu")
+        ids = torch.randint(0, 1000, (n,))
+
+        def step():
+            h = model(ids, pos, caches, meta)
+            return model.compute_logits(torch.cat((h, heads(h, k).reshape(-1, cfg.hidden_size))))
+        return step
+
     tree = TreeShape.from_choices(DEFAULT_TREE)
     cases = {"decode": forward(1), "verify2": forward(2), "verify4": forward(4), "verify5": forward(5),
              f"tree{tree.num_nodes + 1}": forward(tree.num_nodes + 1, tree), "draft1": draft(1), "draft3": draft(3),
-             "draft4": draft(4)}
+             "draft4": draft(4), "v2+h1": verify_with_heads(2, 1), "v3+h2": verify_with_heads(3, 2),
+             "v4+h3": verify_with_heads(4, 3)}
     times: dict[str, list[float]] = {k: [] for k in cases}
     with torch.inference_mode():
         for _ in range(7):

@@ -27,13 +27,14 @@ import torch
 from rooflm.layers.sampler import SamplingMetadata, argmax_tokens, target_probs
 
 
-def verify(logits: torch.Tensor, draft: list[list[int]], md: SamplingMetadata, greedy: list[bool],
+def verify(logits: torch.Tensor, draft: list[list[int]], md: SamplingMetadata | None, greedy: list[bool],
            generators: list[torch.Generator | None],
            draft_probs: list[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits`` [S, V]: request r's k_r + 1 rows, request after request (S = sum of k_r + 1); ``md``: the sampling
-    metadata of those S rows (each request's parameters repeated; its generators are not used); ``draft_probs``: per
-    request None (a deterministic proposer) or the [>= k_r, V] distributions its draft tokens were drawn from. Returns
-    (tokens [R, K + 1] int64, -1 after each request's last output token; num_accepted [R] int64), K = max k_r."""
+    metadata of those S rows (each request's parameters repeated; its generators are not used; None when every
+    request is greedy); ``draft_probs``: per request None (a deterministic proposer) or the [>= k_r, V]
+    distributions its draft tokens were drawn from. Returns (tokens [R, K + 1] int64, -1 after each request's last
+    output token; num_accepted [R] int64), K = max k_r."""
     device = logits.device
     r_n = len(draft)
     lens = [len(d) for d in draft]

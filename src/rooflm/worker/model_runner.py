@@ -353,10 +353,12 @@ class ModelRunner:
             logits, head_logits = self.drafter.fused_logits(hidden[torch.tensor(spec_idx, device=self.device)])
         elif logits is None:
             logits = self.model.compute_logits(hidden[torch.tensor(spec_idx, device=self.device)])  # [S, vocab]
-        params = [s.params for s in spec for _ in range(len(out.scheduled_spec_tokens[s.req_id]) + 1)]
-        md = SamplingMetadata.from_params(params, [[]] * len(params), [[]] * len(params), [None] * len(params),
-                                          self.device)
         greedy = [s.params.greedy or s.params.top_k == 1 for s in spec]
+        md = None  # the sampling parameters of every scored row: only sampled requests read them
+        if not all(greedy):
+            params = [s.params for s in spec for _ in range(len(out.scheduled_spec_tokens[s.req_id]) + 1)]
+            md = SamplingMetadata.from_params(params, [[]] * len(params), [[]] * len(params), [None] * len(params),
+                                              self.device)
         q = ([self.drafter.draft_probs(s.req_id, d) for s, d in zip(spec, drafts)] if self.drafter is not None
              else None)
         trees = [self.drafter.tree_for(s.req_id, d) for s, d in zip(spec, drafts)] if hasattr(
