@@ -51,8 +51,8 @@ class MedusaHeads(nn.Module):
         """[N, H] -> [N, k, H]: the inputs of the LM head for heads 1..k (k = ``num_heads`` or all)."""
         k = self.num_heads if num_heads is None else num_heads
         h = hidden.to(self.weight.dtype)
-        # the k blocks as one [k * H, H] product: a single matrix-vector call at decode (an einsum took 2-5x longer
-        # on the CPU for one row)
+        # the k blocks as one [k * H, H] product: a single matrix-vector call at decode (the einsum it replaces
+        # took 68 against 61 us for one row and two heads of SmolLM2-135M on the CPU)
         z = F.linear(h, self.weight[:k].reshape(k * self.hidden_size, self.hidden_size), self.bias[:k].reshape(-1))
         return (h.unsqueeze(1) + F.silu(z.view(-1, k, self.hidden_size))).to(hidden.dtype)
 
