@@ -156,8 +156,15 @@ def test_medusa_heads_share_the_native_lm_head_product(tmp_path):
     with torch.inference_mode():
         logits, head_logits = drafter.fused_logits(h)
         assert torch.equal(logits, model.compute_logits(h))
-        alone = model.compute_logits(heads(h, 2).reshape(-1, cfg.hidden_size)).view(3, 2, -1)
+        alone = model.compute_logits(drafter._heads(h, 2).reshape(-1, cfg.hidden_size)).view(3, 2, -1)
         assert torch.equal(head_logits, alone)
+        # there the heads' blocks run as 8-bit weights on the native kernel: close to the float heads
+        assert drafter.heads_q8 is not None
+        ref, q8 = heads(h, 2), drafter._heads(h, 2)
+        z_ref, z_q8 = ref - h.unsqueeze(1), q8 - h.unsqueeze(1)  # the blocks' SiLU terms alone
+        print("q8 heads: relative error", float((z_q8 - z_ref).norm() / z_ref.norm()))
+        assert float((z_q8 - z_ref).norm() / z_ref.norm()) < 0.02
+        assert not torch.equal(z_q8, z_ref)
     prompts = ["It is a truth universally acknowledged, that a single man",
                "The Project Gutenberg eBook of Emma, by Jane Austen. Emma Woodhouse, handsome, clever, and rich,"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

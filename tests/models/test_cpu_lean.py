@@ -160,6 +160,13 @@ def test_forward_hooks_send_the_step_to_the_modules(monkeypatch, tiny_models) ->
     """Calibration (statistics from pre-hooks on the projections) and weight offload hook the modules: while a hook
     is registered the modules run the step, so the hook sees every call; once removed, the lean loop is back."""
     model, cfg = tiny_models["w4a16"]
+    monkeypatch.setenv("ROOFLM_CPU_LEAN", "on")
+    assert lean_plan(model.model) is not None  # the plan (and the hook dictionaries it watches) cached first
+    for register in ("register_forward_hook", "register_forward_pre_hook"):
+        h = getattr(model.model.layers[0].self_attn.o_proj, register)(lambda *a: None)
+        assert lean_plan(model.model) is None
+        h.remove()
+        assert lean_plan(model.model) is not None
     seen = []
     handle = model.model.layers[1].mlp.down_proj.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
     try:

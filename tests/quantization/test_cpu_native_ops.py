@@ -1,7 +1,7 @@
-"""The native CPU float32 operators (``rooflm.kernels.cpu_native.ops``): RMSNorm, rotary embedding + cache write and
-decode-style attention. Checked against torch's maths, for the properties the CPU path relies on (each token's
-attention computed on its own, the paged cache read in place with the floats of a gathered copy, results that do not
-depend on the thread count), against the portable C build, and for the errors bad arguments get."""
+"""The native CPU float32 operators (``rooflm.kernels.cpu_native.ops``): RMSNorm, rotary embedding + cache write,
+decode-style attention and argmax. Checked against torch's maths, for the properties the CPU path relies on (each
+token's attention computed on its own, the paged cache read in place with the floats of a gathered copy, results
+that do not depend on the thread count), against the portable C build, and for the errors bad arguments get."""
 from __future__ import annotations
 
 import pytest
@@ -41,6 +41,46 @@ def test_rms_norm_matches_torch_and_rows_are_independent(rows, dim):
     torch.testing.assert_close(out, F.rms_norm(x, (dim,), w, 1e-6), rtol=2e-6, atol=2e-6)
     for i in range(rows):
         assert torch.equal(ops.rms_norm(x[i:i + 1], w, 1e-6), out[i:i + 1])
+
+
+def _argmax_rows(seed: int) -> list[torch.Tensor]:
+    """Rows that try argmax's rules: ties (small integers), NaNs (the first one counts), infinities, all -inf,
+    lengths around the 16 lanes, a vocabulary-wide row and rows that are not packed (a strided view)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate([1, 15, 16, 17, 33, 100, 49152]):
+        x = torch.randint(-3, 4, (3, n), generator=gen).float() if i % 2 else torch.randn(3, n, generator=gen)
+        out.append(x)
+        y = x.clone()
+        y[torch.rand(3, n, generator=gen) < 0.05] = float("nan")
+        y[0, -1] = float("nan")  # a NaN only in the tail of one row
+        out.append(y)
+        z = x.clone()
+        z[torch.rand(3, n, generator=gen) < 0.1] = float("inf")
+        out.append(z)
+        out.append(torch.full((2, n), float("-inf")))
+        out.append(torch.randn(3, n + 7, generator=gen)[:, :n])
+    return out
+
+
+def test_argmax_gives_torchs_indices():
+    for x in _argmax_rows(0):
+        got = ops.argmax(x)
+        assert got is not None and got.dtype == torch.int64
+        assert torch.equal(got, x.max(dim=-1).indices), (x.shape, got)
+    assert ops.argmax(torch.randn(2, 8, dtype=torch.float64)) is None
+    assert ops.argmax(torch.randn(4, 8).t()) is None  # columns not packed: torch's operator
+
+
+def test_greedy_choice_goes_through_the_native_argmax(monkeypatch):
+    from rooflm.layers.sampler import argmax_tokens
+
+    x = torch.randn(2, 1000)
+    calls = []
+    original = ops.argmax
+    monkeypatch.setattr(ops, "argmax", lambda t: calls.append(t.shape) or original(t))
+    assert torch.equal(argmax_tokens(x), x.argmax(dim=-1))
+    assert calls == [(2, 1000)]
 
 
 @pytest.mark.parametrize("hq,hkv,d,length", [(9, 3, 64, 250), (4, 4, 32, 17), (8, 2, 128, 40), (6, 3, 24, 33)])
@@ -157,6 +197,8 @@ def test_portable_build_agrees(monkeypatch, tmp_path):
     monkeypatch.setattr(ops, "native_ops", lambda: scalar)
     b = (ops.rms_norm(x, w, 1e-5), ops.attend(q, k, v, 0.125, [89, 90]))
     assert default is not scalar
+    for r in _argmax_rows(1):
+        assert torch.equal(ops.argmax(r), r.max(dim=-1).indices)
     assert torch.equal(a[0], b[0])
     torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=1e-6)
 

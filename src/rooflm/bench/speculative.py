@@ -6,7 +6,8 @@ Tasks (prompts built from the public-domain text shipped with rooflm):
 - ``repeat``: an input-grounded task: the prompt gives a passage, then asks for it again and starts the copy (prompt
   lookup's best case, like editing, quoting or correcting a given text);
 - ``continue``: free continuation of a held-out passage (the draft can only find repetitions of the text itself).
-Each mode runs the same prompts, ``--batch-size`` at a time, greedy with EOS ignored, after one warm-up request.
+Each mode runs the same prompts, ``--batch-size`` at a time, greedy with EOS ignored, after one warm-up request;
+one mode after another, or (``--interleave``) all loaded at once, taking turns batch by batch.
 Reported: output tokens/s of both modes and their ratio, whether the greedy tokens are identical (they must be),
 the acceptance rate and mean accepted length, and the speed-up the roofline predicts for that acceptance rate (a
 verify step of k + 1 tokens per request, plus a draft model's k steps, against a plain decode step, both at the
@@ -38,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="requests run together")
     p.add_argument("--num-prompts", type=int, default=4, help="prompts in all")
     p.add_argument("--output-len", type=int, default=128, help="generated tokens per prompt")
+    p.add_argument("--interleave", action="store_true",
+                   help="load every mode at once and let them take turns batch by batch (the same machine state for "
+                        "each; on a shared CPU whose speed drifts); default: one mode after another")
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--verify-cost", action="store_true",
                    help="instead: time verify steps of k+1 tokens against a decode step (see --verify-batch-sizes)")
@@ -60,46 +64,79 @@ def build_prompts(task: str, n: int, tokenizer) -> list[list[int]]:
     return prompts
 
 
-def _run_mode(args: argparse.Namespace, prompts: list[list[int]], spec: str | None) -> dict:
-    from rooflm.llm import LLM
-    from rooflm.sampling_params import SamplingParams
+class _Mode:
+    """One engine (plain, or one speculative configuration) and what it measured so far: its prompts are given batch
+    by batch (``run``), so several modes can take turns on the same prompts."""
 
-    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-              speculative_config=spec, show_progress=False, quantization=getattr(args, "quantization", None))
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    before = llm.engine.get_stats()
-    base = (before.spec_draft_tokens, before.spec_accepted_tokens, before.spec_verifications, before.num_steps)
-    outs, t0 = [], time.perf_counter()
-    for i in range(0, len(prompts), args.batch_size):
-        outs += llm.generate(prompts[i:i + args.batch_size], params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    s = llm.engine.get_stats()
-    drafts, accepted, verifications = (s.spec_draft_tokens - base[0], s.spec_accepted_tokens - base[1],
-                                       s.spec_verifications - base[2])
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    res = {"elapsed_s": elapsed, "output_tok_s": generated / elapsed, "steps": s.num_steps - base[3],
-           "tokens": [o.outputs[0].token_ids for o in outs], "draft_tokens": drafts, "accepted_tokens": accepted,
-           "acceptance_rate": accepted / drafts if drafts else None,
-           "mean_accepted_length": 1 + accepted / verifications if verifications else None,
-           "spec_steps_disabled": s.spec_steps_disabled}
-    if spec is not None and res["acceptance_rate"] is not None:
-        from rooflm.spec_decode.proposer import expected_tokens
+    def __init__(self, args: argparse.Namespace, spec: str | None, warmup: list[int]) -> None:
+        from rooflm.llm import LLM
+        from rooflm.sampling_params import SamplingParams
 
-        k = llm.engine.spec_config.num_speculative_tokens
-        n = llm.engine.proposer.config.num_speculative_tokens  # tokens verified per request: a Medusa tree's nodes
-        ctx = int(sum(len(p) for p in prompts) / len(prompts) + args.output_len / 2)
-        b = args.batch_size
-        plain = llm.engine.roofline.predict([1] * b, [ctx] * b, b)
-        verify = llm.engine.roofline.predict([n + 1] * b, [ctx + n] * b, b * (n + 1))
-        # a draft model's k single-token steps: each about its share of the target's weight bytes of a decode step
-        draft = llm.engine.proposer.draft_cost * k * plain
-        res["roofline_verify_over_decode"] = verify / plain
-        res["draft_over_decode"] = draft / plain
-        # a chain's tokens per verification follow from the acceptance rate; a tree's are measured
-        per_verify = (res["mean_accepted_length"] if n != k else expected_tokens(k, res["acceptance_rate"]))
-        res["predicted_speedup"] = per_verify * plain / (verify + draft)
-    return res
+        self.spec = spec
+        self.llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+                       speculative_config=spec, show_progress=False, quantization=getattr(args, "quantization", None))
+        self.params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        self.llm.generate([warmup], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        s = self.llm.engine.get_stats()
+        self.base = (s.spec_draft_tokens, s.spec_accepted_tokens, s.spec_verifications, s.num_steps)
+        self.elapsed = 0.0
+        self.outs: list = []
+
+    def run(self, batch: list[list[int]]) -> None:
+        t0 = time.perf_counter()
+        self.outs += self.llm.generate(batch, self.params, use_tqdm=False)
+        self.elapsed += time.perf_counter() - t0
+
+    def result(self, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+        llm, spec, elapsed = self.llm, self.spec, self.elapsed
+        s = llm.engine.get_stats()
+        base = self.base
+        drafts, accepted, verifications = (s.spec_draft_tokens - base[0], s.spec_accepted_tokens - base[1],
+                                           s.spec_verifications - base[2])
+        generated = sum(len(o.outputs[0].token_ids) for o in self.outs)
+        res = {"elapsed_s": elapsed, "output_tok_s": generated / elapsed, "steps": s.num_steps - base[3],
+               "tokens": [o.outputs[0].token_ids for o in self.outs], "draft_tokens": drafts,
+               "accepted_tokens": accepted, "acceptance_rate": accepted / drafts if drafts else None,
+               "mean_accepted_length": 1 + accepted / verifications if verifications else None,
+               "spec_steps_disabled": s.spec_steps_disabled}
+        if spec is not None and res["acceptance_rate"] is not None:
+            from rooflm.spec_decode.proposer import expected_tokens
+
+            k = llm.engine.spec_config.num_speculative_tokens
+            n = llm.engine.proposer.config.num_speculative_tokens  # tokens verified per request: a Medusa tree's nodes
+            ctx = int(sum(len(p) for p in prompts) / len(prompts) + args.output_len / 2)
+            b = args.batch_size
+            plain = llm.engine.roofline.predict([1] * b, [ctx] * b, b)
+            verify = llm.engine.roofline.predict([n + 1] * b, [ctx + n] * b, b * (n + 1))
+            # a draft model's k single-token steps: each about its share of the target's weight bytes of a decode step
+            draft = llm.engine.proposer.draft_cost * k * plain
+            res["roofline_verify_over_decode"] = verify / plain
+            res["draft_over_decode"] = draft / plain
+            # a chain's tokens per verification follow from the acceptance rate; a tree's are measured
+            per_verify = (res["mean_accepted_length"] if n != k else expected_tokens(k, res["acceptance_rate"]))
+            res["predicted_speedup"] = per_verify * plain / (verify + draft)
+        return res
+
+
+def _run_modes(args: argparse.Namespace, prompts: list[list[int]], specs: list[str | None]) -> list[dict]:
+    """Each mode over every prompt, ``--batch-size`` at a time: one mode after another, or with ``--interleave``
+    every mode loaded at once and taking turns batch by batch (a machine whose speed drifts during the run, such as
+    a shared CPU, then slows every mode alike)."""
+    batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
+    if not args.interleave:
+        results = []
+        for spec in specs:
+            mode = _Mode(args, spec, prompts[0])
+            for batch in batches:
+                mode.run(batch)
+            results.append(mode.result(args, prompts))
+            del mode
+        return results
+    modes = [_Mode(args, spec, prompts[0]) for spec in specs]
+    for batch in batches:
+        for mode in modes:
+            mode.run(batch)
+    return [m.result(args, prompts) for m in modes]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,13 +158,12 @@ def run(args: argparse.Namespace) -> int:
     configs = spec_configs(args.speculative_config)
     tokenizer = load_tokenizer(args.model)
     prompts = build_prompts(args.task, args.num_prompts, tokenizer)
-    plain = _run_mode(args, prompts, None)
+    plain, *specs = _run_modes(args, prompts, [None] + configs)
     runs = []
     print(f"rooflm bench spec: task={args.task} batch={args.batch_size} prompts={len(prompts)} "
-          f"output={args.output_len}")
+          f"output={args.output_len}{' interleaved' if args.interleave else ''}")
     print(f"  plain        {tok_rate(plain['output_tok_s']):>14}  ({plain['steps']} steps)")
-    for config in configs:  # each against the same plain run
-        spec = _run_mode(args, prompts, config)
+    for config, spec in zip(configs, specs):  # each against the same plain run
         run_res = {"speculative_config": json.loads(config),
                    "speculative": {k: v for k, v in spec.items() if k != "tokens"},
                    "speedup": spec["output_tok_s"] / plain["output_tok_s"],
@@ -140,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{spec['mean_accepted_length']:.2f}; roofline: a verify step costs "
                   f"{spec['roofline_verify_over_decode']:.2f}x a decode step, drafting {spec['draft_over_decode']:.2f}x, "
                   f"predicted speed-up {spec['predicted_speedup']:.2f}x")
-    res = {"task": args.task, "batch_size": args.batch_size, "num_prompts": len(prompts),
+    res = {"task": args.task, "batch_size": args.batch_size, "num_prompts": len(prompts), "interleave": args.interleave,
            "output_len": args.output_len, "plain": {k: v for k, v in plain.items() if k != "tokens"}, **runs[0]}
     if len(runs) > 1:
         res["runs"] = runs

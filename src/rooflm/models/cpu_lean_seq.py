@@ -60,9 +60,10 @@ class SeqStep:
         self.seq_len = seq_len = meta.seq_lens_cpu[0]
         self.blocks = meta.block_tables[0, : (seq_len + bs - 1) // bs].long()
         tree = meta.tree_masks[0] if meta.tree_masks is not None else None
-        self.mask = causal_mask(meta.num_tokens, seq_len, tree)
         # a short causal step after a cached prefix (a verify step) attends token by token as decode steps do
         self.as_decode = meta.num_tokens < seq_len and meta.num_tokens <= EXACT_MAX_QUERY
+        # the mask of the one masked call over every token (longer steps); token by token needs none
+        self.mask = None if self.as_decode else causal_mask(meta.num_tokens, seq_len, tree)
         self.rows = decode_key_rows(meta.num_tokens, seq_len, tree) if self.as_decode else None
         # the native operator's form of the rows, made once for every layer
         self.key_counts = decode_key_counts(meta.num_tokens, seq_len, self.rows) if self.as_decode else None
@@ -79,12 +80,32 @@ def seq_step_applies(meta: AttentionMetadata, backend: CpuAttention, dtype: torc
             and meta.num_tokens > 1)
 
 
+def rotate_and_write(step, qkv: torch.Tensor, hq: int, hkv: int, d: int, kv_cache: torch.Tensor,
+                     meta: AttentionMetadata) -> torch.Tensor:
+    """Rotary embedding of the step's q and k heads and the write of K and V to the cache: the backend's native
+    operator where it applies (a bfloat16 int4 product widened first, exactly, as the module path's cast does), else
+    the backend's torch maths in fewer ops. ``step``: a ``_DecodeOne`` or ``SeqStep`` (rotary tables and slots).
+    Returns the rotated heads [T, Hq + Hkv, D] (float32)."""
+    t = qkv.shape[0]
+    backend: CpuAttention = step.backend
+    heads = qkv.view(t, hq + 2 * hkv, d)
+    if backend.uses_native:
+        h32 = heads if heads.dtype == torch.float32 else heads.float()
+        rotated = backend.native_rope_write(h32[:, : hq + hkv], h32[:, hq + hkv:], step.cos2, step.sin2, kv_cache,
+                                            meta)
+        if rotated is not None:
+            return rotated
+    qk, v = heads[:, : hq + hkv], heads[:, hq + hkv:]
+    qk = torch.addcmul(qk * step.cos2, qk.roll(d // 2, dims=-1), step.sin2)  # float32
+    flat = kv_cache.view(2, kv_cache.shape[1] * kv_cache.shape[2], hkv, d)
+    flat.index_copy_(1, step.slots, torch.stack((qk[:, hq:], v)))  # stack promotes a bfloat16 v exactly
+    return qk
+
+
 def attend_seq(step: SeqStep, attn, qkv: torch.Tensor, hq: int, hkv: int, kv_cache: torch.Tensor) -> torch.Tensor:
     """Rotary, cache write and attention of the step's new tokens, with full attention (no sliding window).
     ``qkv`` [T, q | k | v] may be the bfloat16 product of a packed int4 projection: the rotary products and the
     stack of K with V widen it to float32 exactly, as the module path's explicit cast does. Returns [T, Hq, D]."""
-    from rooflm.models.cpu_lean import rotate_and_write
-
     d = attn.head_dim
     qk = rotate_and_write(step, qkv, hq, hkv, d, kv_cache, step.meta)
     if step.view is None and step.as_decode:

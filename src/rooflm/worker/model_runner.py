@@ -349,10 +349,13 @@ class ModelRunner:
 
         drafts = [out.scheduled_spec_tokens[s.req_id] for s in spec]
         head_logits = None
+        # every token of the step is a verified one (a single speculative request, say): the rows as they are
+        scored = (hidden if len(spec_idx) == hidden.shape[0] and spec_idx[-1] == len(spec_idx) - 1
+                  else hidden[torch.tensor(spec_idx, device=self.device)])
         if logits is None and hasattr(self.drafter, "fused_logits"):  # Medusa: the heads' rows in the same product
-            logits, head_logits = self.drafter.fused_logits(hidden[torch.tensor(spec_idx, device=self.device)])
+            logits, head_logits = self.drafter.fused_logits(scored)
         elif logits is None:
-            logits = self.model.compute_logits(hidden[torch.tensor(spec_idx, device=self.device)])  # [S, vocab]
+            logits = self.model.compute_logits(scored)  # [S, vocab]
         greedy = [s.params.greedy or s.params.top_k == 1 for s in spec]
         md = None  # the sampling parameters of every scored row: only sampled requests read them
         if not all(greedy):
@@ -375,10 +378,12 @@ class ModelRunner:
         rows = torch.tensor([s.row for s in spec], device=self.device)
         self.batch.last_token.index_copy_(0, rows, tokens.gather(1, accepted.unsqueeze(1)).squeeze(1))
         if hasattr(self.drafter, "observe"):  # Medusa: the hidden state of each request's last accepted position
-            firsts = torch.tensor(np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]]), device=self.device)
-            picked = firsts + last
-            self.drafter.observe(rows, hidden[torch.tensor(spec_idx, device=self.device)[picked]],
-                                 None if head_logits is None else head_logits[picked])
+            if last.device.type == "cpu":  # host lists: a few small tensor operators fewer per step
+                firsts = np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]]).tolist()
+                picked = torch.tensor([f + a for f, a in zip(firsts, last.tolist())])
+            else:
+                picked = torch.tensor(np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]]), device=self.device) + last
+            self.drafter.observe(rows, scored[picked], None if head_logits is None else head_logits[picked])
         return tokens, accepted
 
     def _spec_verified(self, req_ids: list[str], accepted: list[int]) -> None:

@@ -1,4 +1,4 @@
-"""The float32 operators of ``ops.c`` (RMSNorm and decode-style attention) for the CPU path.
+"""The float32 operators of ``ops.c`` (RMSNorm, decode-style attention, argmax) for the CPU path.
 
 Every caller of an operator here, the module forward and the lean decoder loop alike, goes through ``native_ops()``,
 so both paths pick the same implementation (the native one whenever the library is available, ``ROOFLM_CPU_NATIVE``
@@ -36,6 +36,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     out = torch.empty_like(x)
     dim = x.shape[-1]
     lib.ops_rms_norm(x.data_ptr(), w.data_ptr(), float(eps), out.data_ptr(), x.numel() // max(dim, 1), dim)
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """``x.max(dim=-1).indices`` for float32 x [R, N] (int64 [R]: the first of equal maxima, or the first NaN), or
+    None (see the module docstring)."""
+    lib = native_ops()
+    if lib is None or x.dim() != 2 or not _takes(x) or x.shape[1] == 0 or x.stride(1) != 1:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.ops_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return out
 
 
