@@ -33,7 +33,8 @@ def test_interleaved_modes_measure_the_same_tokens(tmp_path, monkeypatch):
     run = speculative._Mode.run
     monkeypatch.setattr(speculative._Mode, "run", lambda self, batch: order.append(self.spec) or run(self, batch))
     out = tmp_path / "spec.json"
-    configs = [{"method": "ngram", "num_speculative_tokens": 2}, {"method": "ngram", "num_speculative_tokens": 3}]
+    # auto_disable off: whether a step drafts must not depend on the ceilings the live roofline measures at start-up
+    configs = [{"method": "ngram", "num_speculative_tokens": k, "auto_disable": False} for k in (2, 3)]
     args = build_parser().parse_args(["bench", "spec", "--task", "repeat", "--num-prompts", "2", "--output-len", "12",
                                       "--speculative-config", json.dumps(configs), "--interleave", "--json",
                                       str(out)])
