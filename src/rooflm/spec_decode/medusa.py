@@ -48,13 +48,20 @@ class MedusaHeads(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size, dtype=dtype))  # [k, out, in]
         self.bias = nn.Parameter(torch.zeros(num_heads, hidden_size, dtype=dtype))
 
-    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
-        """[N, H] -> [N, k, H]: the inputs of the LM head for heads 1..k (k = ``num_heads`` or all)."""
+    def forward(self, hidden: torch.Tensor, num_heads: int | None = None, product=None) -> torch.Tensor:
+        """[N, H] -> [N, k, H]: the inputs of the LM head for heads 1..k (k = ``num_heads`` or all). ``product``:
+        another implementation of h @ W^T for at least the first k heads' stacked W ([N, >= k * H] float32, the
+        bias not added), e.g. the native kernel's 8-bit one (``native_heads``)."""
         k = self.num_heads if num_heads is None else num_heads
-        h = hidden.to(self.weight.dtype)
-        # the k blocks as one [k * H, H] product: a single matrix-vector call at decode (the einsum it replaces
-        # took 68 against 61 us for one row and two heads of SmolLM2-135M on the CPU)
-        z = F.linear(h, self.weight[:k].reshape(k * self.hidden_size, self.hidden_size), self.bias[:k].reshape(-1))
+        if product is not None:
+            h = hidden.float()
+            z = product(h)[:, :k * self.hidden_size] + self.bias[:k].reshape(-1).float()
+        else:
+            h = hidden.to(self.weight.dtype)
+            # the k blocks as one [k * H, H] product: a single matrix-vector call at decode (the einsum it replaces
+            # took 68 against 61 us for one row and two heads of SmolLM2-135M on the CPU)
+            z = F.linear(h, self.weight[:k].reshape(k * self.hidden_size, self.hidden_size),
+                         self.bias[:k].reshape(-1))
         return (h.unsqueeze(1) + F.silu(z.view(-1, k, self.hidden_size))).to(hidden.dtype)
 
 
@@ -197,10 +204,7 @@ class MedusaDrafter(Drafter):
             return self.heads(hidden, depth)
         from rooflm.kernels.cpu_native import native_linear
 
-        h = hidden.float()
-        z = native_linear(h, self.heads_q8).view(-1, self.depth, h.shape[-1])[:, :depth]
-        z = z + self.heads.bias[:depth].float()
-        return (h.unsqueeze(1) + F.silu(z)).to(hidden.dtype)
+        return self.heads(hidden, depth, product=lambda h: native_linear(h, self.heads_q8))
 
     def observe(self, rows: torch.Tensor, hidden: torch.Tensor, head_logits: torch.Tensor | None = None) -> None:
         """The final hidden states that produced the newest token of the requests in persistent ``rows`` (and their

@@ -378,11 +378,10 @@ class ModelRunner:
         rows = torch.tensor([s.row for s in spec], device=self.device)
         self.batch.last_token.index_copy_(0, rows, tokens.gather(1, accepted.unsqueeze(1)).squeeze(1))
         if hasattr(self.drafter, "observe"):  # Medusa: the hidden state of each request's last accepted position
-            if last.device.type == "cpu":  # host lists: a few small tensor operators fewer per step
-                firsts = np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]]).tolist()
-                picked = torch.tensor([f + a for f, a in zip(firsts, last.tolist())])
-            else:
-                picked = torch.tensor(np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]]), device=self.device) + last
+            firsts = np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]]).tolist()
+            # host lists where the counts are on the host: a few small tensor operators fewer per step
+            picked = (torch.tensor([f + a for f, a in zip(firsts, last.tolist())]) if last.device.type == "cpu"
+                      else torch.tensor(firsts, device=self.device) + last)
             self.drafter.observe(rows, scored[picked], None if head_logits is None else head_logits[picked])
         return tokens, accepted
 
