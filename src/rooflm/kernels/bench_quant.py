@@ -1,7 +1,7 @@
 """Weight-only quantized matmul against fp16 on the running GPU:
 ``python -m rooflm.kernels.bench_quant [--ms 1,16,64] [--sweep] [--tune] [--json FILE]``.
 
-For Llama-2-7B's five projection shapes and each row count M: ``quant_linear`` on W4A16 (group 128, with mins, the
+For Llama-2-7B's five projection shapes and each row count M: ``quant_linear``'s choice of kernel on W4A16 (group 128, with mins, the
 GPTQ / AWQ form) and W8A16 (per channel, symmetric), and ``torch.nn.functional.linear`` on the fp16 weight, each
 replayed from a CUDA graph over weight copies that together exceed the L2 (``gemv.time_in_graph``), so the weight
 comes from device memory as in a real decode step. Reported per row: microseconds per call, GB/s of the packed weight
@@ -52,6 +52,8 @@ def bench(ms=(1, 16, 64), sweep: bool = False, sweep_shapes=("qkv", "down"),
           dtype=torch.float16, formats=tuple(FORMATS)) -> tuple[dict, list[dict]]:
     from rooflm.kernels.gemv import time_in_graph, weight_copies
     from rooflm.kernels.quant_gemm import launch, pick_config
+    from rooflm.kernels.quant_gemv import launch_gemv
+    from rooflm.kernels.quant_gemv import supports as gemv_supports
     from rooflm.quantization.rtn import quantize_rtn
     from rooflm.roofline.measure import measure_bandwidth
 
@@ -72,13 +74,17 @@ def bench(ms=(1, 16, 64), sweep: bool = False, sweep_shapes=("qkv", "down"),
             for fmt, pw in packed.items():
                 copies = _copies(pw, l2)
                 cfg = pick_config(x, pw, None)
-                t = time_in_graph(lambda p, c=cfg: launch(x, p, None, c), copies, dev)
+                word = gemv_supports(x, pw)  # quant_linear's choice: the word GEMV for one row of 4-bit codes
+                if word:
+                    t = time_in_graph(lambda p: launch_gemv(x, p, None), copies, dev)
+                else:
+                    t = time_in_graph(lambda p, c=cfg: launch(x, p, None, c), copies, dev)
                 gbps = pw.nbytes / t / 1e6
                 row = {"shape": name, "n": n, "k": k, "m": m, "format": fmt, "us": round(t * 1e3, 2),
                        "gbps": round(gbps, 1), "frac_copy_bw": round(gbps / copy_gbps, 3),
                        "fp16_us": round(t16 * 1e3, 2), "speedup_vs_fp16": round(t16 / t, 2),
-                       "tflops": round(2 * m * n * k / t / 1e9, 1), "config": _short(cfg)}
-                if pw.bits == 4:  # the three conversions of 4-bit codes, same tiles
+                       "tflops": round(2 * m * n * k / t / 1e9, 1), "config": "word GEMV" if word else _short(cfg)}
+                if pw.bits == 4:  # the general kernel's three conversions of 4-bit codes, same tiles
                     ref = launch(x, pw, None, replace(cfg, asm=0)).float()
                     row["asm_us"], row["asm_max_rel_err"] = {}, {}
                     for a in (0, 1, 2):

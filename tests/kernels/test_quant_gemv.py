@@ -1,0 +1,137 @@
+"""The one-row word GEMV of 4- and 8-bit weights (rooflm/kernels/quant_gemv.py) against its twin,
+``quant_linear_reference``: tiles of one group and of several, K split or not, N and K with ragged edges, mins and
+bias, every activation dtype. On the CPU the kernel runs under Triton's interpreter (its float32 form); on CUDA the
+same tests run its float16x2 form for float16 activations."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_quant_gemm import LIMIT, check, make_packed
+
+
+def _gemv_check(pw, dtype, device, bias, cfg=None, seed=0, scale=1.0):
+    """launch_gemv against the float64 twin on the same dequantized weight."""
+    from rooflm.kernels.quant_gemv import launch_gemv
+    from rooflm.quantization.packed import quant_linear_reference
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(1, pw.in_features, generator=g) * scale).to(dtype).to(device)
+    b = torch.randn(pw.out_features, generator=g).to(dtype).to(device) if bias else None
+    out = launch_gemv(x, pw, b, cfg)
+    ref = quant_linear_reference(x.double(), pw, None if b is None else b.double())
+    what = f"bits={pw.bits} group={pw.group_size} N={pw.out_features} K={pw.in_features} {dtype} {cfg} scale={scale}"
+    assert out.shape == (1, pw.out_features) and out.dtype == dtype, what
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    assert rel < LIMIT[dtype], f"{what}: relative error {rel:.2e}"
+
+
+def _configs():
+    from rooflm.kernels.quant_gemv import QuantGemvConfig
+
+    return [None, QuantGemvConfig(16, 4, 3), QuantGemvConfig(32, 16, 1), QuantGemvConfig(8, 64, 2),
+            QuantGemvConfig(16, 128, 1)]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [16, 32, 64, 128, 256, "channel"])
+def test_word_gemv_against_twin(device, bits, group):
+    """Every tile shape against every group: a tile inside one group, a tile of several whole groups, a tile that
+    runs past K (per channel, K = 192 or 4160 is no power of two); N odd; mins and bias alternate."""
+    from rooflm.kernels.quant_gemv import tile_groups
+
+    n, k = (37, 256) if device == "cpu" else (1029, 4096)
+    if group == "channel":
+        k = 192 if device == "cpu" else 4160
+    gs = k if group == "channel" else group
+    pw = make_packed(n, k, bits, gs, mins=bits == 4 or gs == 64, perm=False, dtype=torch.float16, device=device,
+                     seed=bits)
+    ran = 0
+    for i, cfg in enumerate(_configs()):
+        if cfg is not None and tile_groups(cfg.words, k, bits, gs) is None:
+            continue
+        _gemv_check(pw, torch.float16, device, bias=i % 2 == 1, cfg=cfg, seed=i)
+        ran += 1
+    assert ran >= 3, "most configurations must fit these groups"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_word_gemv_dtypes(device, dtype, bits):
+    pw = make_packed(24, 512, bits, 128, mins=True, perm=False, dtype=dtype, device=device, seed=bits)
+    for cfg in _configs()[:3]:
+        _gemv_check(pw, dtype, device, bias=True, cfg=cfg)
+
+
+@pytest.mark.parametrize("scale", [100.0, 3000.0])
+def test_word_gemv_large_activations(device, scale):
+    """Activations in the thousands (outlier features) stay finite and accurate: on CUDA the float16 products are
+    formed with x / 16 so that four of them cannot overflow below |x| = 16,000."""
+    k = 512 if device == "cpu" else 4096
+    pw = make_packed(40, k, 4, 128, mins=True, perm=False, dtype=torch.float16, device=device)
+    _gemv_check(pw, torch.float16, device, bias=False, scale=scale)
+    _gemv_check(pw, torch.float16, device, bias=True, scale=scale, cfg=_configs()[3])
+
+
+def test_split_is_deterministic(device):
+    from rooflm.kernels.quant_gemv import QuantGemvConfig, launch_gemv
+
+    pw = make_packed(40, 1024, 4, 128, mins=True, perm=False, dtype=torch.float16, device=device)
+    x = torch.randn(1, 1024).half().to(device)
+    runs = [launch_gemv(x, pw, None, QuantGemvConfig(16, 16, 4)) for _ in range(2)]
+    assert torch.equal(runs[0], runs[1]), "split-K must add its partial sums in a fixed order"
+
+
+def test_quant_linear_sends_one_row_of_4_bit_codes_here(device, monkeypatch):
+    """quant_linear's choice: one row of 4-bit codes goes to the word GEMV, anything else to the general kernel, and
+    both answer the same product (within the float16 tolerance of the twin)."""
+    import rooflm.kernels.quant_gemm as qg
+
+    calls = []
+    real = qg.launch_gemv
+    monkeypatch.setattr(qg, "launch_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    k = 256 if device == "cpu" else 4096
+    pw4 = make_packed(37, k, 4, 64, mins=True, perm=True, dtype=torch.float16, device=device)
+    pw8 = make_packed(37, k, 8, k, mins=False, perm=False, dtype=torch.float16, device=device)
+    check(1, pw4, torch.float16, device, bias=True)
+    assert len(calls) == 1, "one row of 4-bit codes (act-order permuted) must take the word GEMV"
+    check(3, pw4, torch.float16, device, bias=True)
+    check(1, pw8, torch.float16, device, bias=False)
+    assert len(calls) == 1, "several rows, and 8-bit codes, stay on the general kernel"
+    x = torch.randn(1, k).half().to(device)
+    word = qg.quant_linear(x, pw4)
+    general = qg.quant_linear(x, pw4, cfg=qg.default_config(1, 37, k, 4, 64, 132))
+    torch.testing.assert_close(word, general, atol=2e-3, rtol=1e-2)
+
+
+def test_groups_no_word_tile_fits_fall_back(device):
+    """4-bit groups of 2 or 6 columns split a 32-bit word: no word tile fits, quant_linear takes the general kernel,
+    and launch_gemv refuses with the group named."""
+    from rooflm.kernels.quant_gemv import launch_gemv, supports
+
+    pw = make_packed(16, 48, 4, 6, mins=True, perm=False, dtype=torch.float16, device=device)
+    x = torch.randn(1, 48).half().to(device)
+    assert not supports(x, pw)
+    check(1, pw, torch.float16, device, bias=False)
+    with pytest.raises(ValueError, match="group_size=6"):
+        launch_gemv(x, pw, None)
+
+
+def test_default_gemv_config_shapes():
+    """The heuristic: 512 bytes of a row a tile at 4 bits and 16 rows a program; K split only for few rows and a
+    long K (Llama-2-7B's down projection: 4096 rows, K = 11008)."""
+    from rooflm.kernels.quant_gemv import QuantGemvConfig, default_gemv_config, tile_groups
+
+    assert default_gemv_config(12288, 4096, 4, 128, 132) == QuantGemvConfig(16, 128, 1)
+    assert default_gemv_config(4096, 4096, 4, 128, 132) == QuantGemvConfig(16, 128, 1)
+    down = default_gemv_config(4096, 11008, 4, 128, 132)
+    assert (down.block_n, down.words, down.split_k) == (16, 128, 3)
+    assert tile_groups(128, 4096, 4, 128) == (8, 16)  # eight groups of 16 words a tile
+    assert tile_groups(8, 4096, 4, 128) == (1, 8)  # a tile inside one group
+    assert tile_groups(32, 4096, 4, 48) is None  # 6 words a group: a 32-word tile straddles groups
+    assert default_gemv_config(16, 48, 4, 6, 132) is None
+    with pytest.raises(ValueError, match="words=24"):
+        QuantGemvConfig(16, 24)
+    with pytest.raises(ValueError, match="split_k"):
+        QuantGemvConfig(16, 16, 0)
