@@ -6,6 +6,7 @@
 #                                                   verifygraphs medusagpu)
 # JSON and profiles go to $OUT (or ./out), every stage's log is appended to $OUT/all.log (the device tool returns at
 # most 8 files). Every stage has its own time limit, so one failure does not sink the call.
+# qsweep's grid: QSWEEP_Q (default: none w8a16 w4a16), QSWEEP_BATCH (1 16), QSWEEP_CTX (512 4000).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
@@ -57,7 +58,7 @@ for stage in "$@"; do
                --input-len 4000 --output-len 64 --dtype float16 --num-iters 2 --kv-cache-dtype $kv \
                --json "$OUT/kvlat_$kv.json"
            done ;;
-    qsweep) for q in none w8a16 w4a16; do for b in 1 16; do for ctx in ${QSWEEP_CTX:-512 4000}; do
+    qsweep) for q in ${QSWEEP_Q:-none w8a16 w4a16}; do for b in ${QSWEEP_BATCH:-1 16}; do for ctx in ${QSWEEP_CTX:-512 4000}; do
               TAIL=4 run "qsweep_${q}_b${b}_c${ctx}" 120 $PY -m rooflm.cli bench latency --model llama-2-7b \
                 --load-format dummy --batch-size $b --input-len $ctx --output-len 32 --dtype float16 --num-iters 1 \
                 --quantization $q --json "$OUT/qsweep.json.tmp"

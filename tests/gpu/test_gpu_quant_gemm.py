@@ -73,3 +73,19 @@ def test_ptx_conversions_of_4bit_codes(asm, group, mins):
             per_row = per_row_scales(cfg, k, g)
             assert asm_level(cfg, x, pw, per_row) == (asm if asm < 2 or per_row else 1)
             check(m, pw, torch.float16, "cuda", bias=m == 9, cfg=cfg)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_prefill_rows_go_through_the_dequantized_float_gemm(bits, monkeypatch):
+    """From DEQUANT_MIN_ROWS rows on, quant_linear dequantizes once and calls the float GEMM; the product equals the
+    twin within float16 rounding, with bias and act-order permutation."""
+    import rooflm.kernels.quant_gemm as qg
+    from rooflm.kernels.quant_dequant import DEQUANT_MIN_ROWS
+
+    calls = []
+    real = qg.dequant_linear
+    monkeypatch.setattr(qg, "dequant_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    pw = make_packed(1029, 4096, bits, 128, mins=bits == 4, perm=bits == 4, dtype=torch.float16, device="cuda")
+    check(DEQUANT_MIN_ROWS, pw, torch.float16, "cuda", bias=True)
+    check(DEQUANT_MIN_ROWS - 1, pw, torch.float16, "cuda", bias=True)
+    assert len(calls) == 1, "only the call with DEQUANT_MIN_ROWS rows takes the float GEMM"

@@ -47,7 +47,8 @@
 # instructions per code. Converting two codes per 32-bit instruction into float16x2 registers (lop3 and HFMA2 in
 # inline PTX, rooflm/kernels/int4_ptx.py; ``QuantMMConfig.asm``, default 2 for float16 on CUDA) cut the 4-bit GEMVs
 # by 10-25%; the rest of the gap to W8A16's fraction is not the conversion (a sweep of tile shapes with it tops out at
-# 41% on qkv). One row of 4-bit codes therefore goes to rooflm/kernels/quant_gemv.py (float16x2 products, 37-71%).
+# 41% on qkv). One row of 4-bit codes therefore goes to rooflm/kernels/quant_gemv.py (float16x2 products, 37-71%),
+# and from 512 rows on (prefill) quant_linear dequantizes once and calls the float GEMM (kernels/quant_dequant.py).
 #
 # Scales: when a tile never straddles a group (group_size a multiple of BLOCK_K, or one group per row), each row's
 # scale and min are one load per tile; otherwise (group_size < BLOCK_K, or not a power of two) they are gathered per
@@ -69,6 +70,7 @@ import triton.language as tl
 from rooflm.kernels._utils import device_sms, interpreting
 from rooflm.kernels.gemv import _splitk_reduce_kernel  # the fixed-order split-K sum, shared
 from rooflm.kernels.int4_ptx import i4_to_f16, i4_to_f16_scaled
+from rooflm.kernels.quant_dequant import dequant_linear, use_dequant_gemm
 from rooflm.kernels.quant_gemv import launch_gemv
 from rooflm.kernels.quant_gemv import supports as gemv_supports
 from rooflm.quantization.packed import PackedWeight
@@ -479,5 +481,7 @@ def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = 
         x2 = x2.contiguous()
     if cfg is None and gemv_supports(x2, pw):  # one row, 4-bit codes: the word GEMV (rooflm/kernels/quant_gemv.py)
         return launch_gemv(x2, pw, bias).view(*shape[:-1], pw.out_features)
+    if cfg is None and use_dequant_gemm(x2):  # many rows: dequantize once, float GEMM (kernels/quant_dequant.py)
+        return dequant_linear(x2, pw, bias).view(*shape[:-1], pw.out_features)
     cfg = cfg or pick_config(x2, pw, bias)
     return launch(x2, pw, bias, cfg).view(*shape[:-1], pw.out_features)
