@@ -40,6 +40,7 @@ from rooflm.kernels._utils import device_sms, interpreting
 from rooflm.kernels.gemv import _splitk_reduce_kernel
 from rooflm.quantization.packed import PackedWeight
 
+
 @triton.jit
 def _code(u, SHIFT: tl.constexpr, MASK: tl.constexpr, BIAS: tl.constexpr):
     """(code at bits SHIFT.. of the int32 words ``u``) * 2**SHIFT - BIAS * 2**SHIFT as float32, exact."""
