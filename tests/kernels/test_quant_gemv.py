@@ -135,3 +135,16 @@ def test_default_gemv_config_shapes():
         QuantGemvConfig(16, 24)
     with pytest.raises(ValueError, match="split_k"):
         QuantGemvConfig(16, 16, 0)
+
+
+def test_supports_agrees_with_the_tiles():
+    """supports() decides from attributes alone; it must say yes exactly where a tile fits the groups."""
+    from rooflm.kernels.quant_gemv import default_gemv_config, supports
+
+    x = torch.zeros(1, 96, dtype=torch.float16)
+    for group in (2, 4, 6, 8, 12, 16, 24, 32, 48, 96):
+        pw = make_packed(8, 96, 4, group, mins=False, perm=False, dtype=torch.float16, device="cpu")
+        assert supports(x, pw) == (default_gemv_config(8, 96, 4, group, 8) is not None), group
+    pw = make_packed(8, 96, 4, 32, mins=False, perm=False, dtype=torch.float16, device="cpu")
+    assert not supports(torch.zeros(2, 96, dtype=torch.float16), pw), "one row only"
+    assert not supports(x, make_packed(8, 96, 8, 32, mins=False, perm=False, dtype=torch.float16, device="cpu"))

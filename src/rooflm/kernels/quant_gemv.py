@@ -30,6 +30,7 @@
 # Whole tiles load unmasked; a tile that runs past K is masked (codes, x, scales and mins), and only that one.
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -318,13 +319,18 @@ def tile_groups(words: int, k: int, bits: int, group_size: int) -> tuple[int, in
 
 
 def supports(x: torch.Tensor, pw: PackedWeight) -> bool:
-    """True when ``quant_linear`` sends ``x @ W.T`` here: one row of x, 4-bit codes in a word-aligned ``qweight``.
-    8-bit codes stay on the general kernel, which streams them as fast (measured on an H100: 70-89% of the copy
-    bandwidth either way)."""
-    return x.shape[0] == 1 and pw.bits == 4 and gemv_words(pw) is not None and \
-        default_gemv_config(pw.out_features, pw.in_features, pw.bits, pw.group_size, 1) is not None
+    """True when ``quant_linear`` sends ``x @ W.T`` here: one row of x, 4-bit codes in a word-aligned ``qweight``
+    whose groups fit a tile (whole words a group, or one group a row: ``tile_groups`` then has a tile). 8-bit codes
+    stay on the general kernel, which streams them as fast (measured on an H100: 70-89% of the copy bandwidth either
+    way). Called on every projection of an eager decode step, so it only reads attributes (about 1 us)."""
+    if x.shape[0] != 1 or pw.bits != 4:
+        return False
+    q = pw.qweight
+    return (q.stride(-1) == 1 and q.shape[1] % 4 == 0 and q.stride(0) % 4 == 0 and q.data_ptr() % 16 == 0
+            and (pw.group_size % 8 == 0 or pw.group_size == 2 * q.shape[1]))
 
 
+@functools.lru_cache(maxsize=None)
 def default_gemv_config(n: int, k: int, bits: int, group_size: int, sms: int) -> QuantGemvConfig | None:
     """Block sizes for an [n, k] weight, or None when no tile fits the groups. From sweeps on an H100 over
     Llama-2-7B's projections at 4 bits, group 128 (``python -m rooflm.kernels.bench_quant``): 512 bytes of a row a
