@@ -83,3 +83,24 @@ def test_tp_cuda_graphs_follow_the_one_shot_path(fake_group, monkeypatch):
     monkeypatch.setenv("ROOFLM_TP_CUDA_GRAPHS", "yes")
     with pytest.raises(ValueError, match="ROOFLM_TP_CUDA_GRAPHS='yes'"):
         tp_cuda_graphs(config)
+
+
+def test_each_process_group_meets_its_peers_under_a_new_symmetric_memory_name(tmp_path):
+    """A process group made after destroy_process_group gets the earlier group's name again; PyTorch's symmetric
+    memory would then exchange buffers through the destroyed group's store (a second tensor-parallel engine in one
+    process hung there). Each group registers its own store under a name carrying a per-engine token."""
+    import torch.distributed as dist
+
+    from rooflm.distributed.small_collectives import symmetric_name
+
+    names, group_names = [], []
+    for i, token in enumerate(("a1b2", "c3d4")):  # two engines, one after the other, in this process
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / str(i)}", world_size=1, rank=0)
+        try:
+            group = dist.new_group([0])
+            group_names.append(group.group_name)
+            names.append(symmetric_name(group, token))
+        finally:
+            dist.destroy_process_group()
+    assert group_names[0] == group_names[1]  # what PyTorch does: the same name for the second group
+    assert names == [f"rooflm-a1b2-{group_names[0]}", f"rooflm-c3d4-{group_names[0]}"]

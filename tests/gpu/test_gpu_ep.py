@@ -1,5 +1,6 @@
-"""Mixtral over two GPUs (NCCL), with expert parallelism and with tensor-parallel slices of every expert: the same
-greedy tokens as one GPU. Skips without two CUDA devices.
+"""Mixtral on the fused MoE kernels (in decode CUDA graphs) against the reference expert loop on one GPU, and over
+two GPUs (NCCL), with expert parallelism and with tensor-parallel slices of every expert: the same greedy tokens as
+one GPU. The two-GPU cases skip without two CUDA devices.
 
 A small random Mixtral (8 experts, top-2, 2 layers, float32) written once as a safetensors checkpoint that every rank
 reads its part of, on the default GPU path (Triton kernels, asynchronous scheduling); logprobs within 1e-3."""
@@ -8,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                reason="needs two CUDA devices")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 
 CONFIG = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 1000, "hidden_size": 256,
           "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -34,19 +35,36 @@ def checkpoint(tmp_path_factory) -> str:
     return str(folder)
 
 
-def _generate(checkpoint: str, tp: int, ep: bool) -> list[tuple[list[int], list[dict[int, float]]]]:
+def _generate(checkpoint: str, tp: int, ep: bool, replays: list | None = None
+              ) -> list[tuple[list[int], list[dict[int, float]]]]:
     from rooflm import LLM
     from rooflm.sampling_params import SamplingParams
 
     llm = LLM(checkpoint, dtype="float32", tensor_parallel_size=tp, enable_expert_parallel=ep, show_progress=False,
-              kv_cache_memory=256 * 2**20, max_model_len=512)
+              kv_cache_memory=256 * 2**20, max_model_len=512, max_num_seqs=8)  # few graphs to capture
     try:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, logprobs=1), use_tqdm=False)
+        if replays is not None:
+            graphs = llm.engine.runner.graph_runner
+            replays.append(graphs.replays if graphs is not None else None)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
     finally:
         llm.shutdown()
 
 
+def test_fused_moe_in_cuda_graphs_gives_the_expert_loops_tokens(checkpoint, monkeypatch):
+    replays: list = []
+    fused = _generate(checkpoint, 1, False, replays)
+    monkeypatch.setenv("ROOFLM_FUSED_MOE", "0")  # the reference loop, which waits on the host: eager decode
+    loop = _generate(checkpoint, 1, False, replays)
+    assert replays[0] and replays[0] > 0 and replays[1] is None  # graphs replayed with the fused kernels only
+    for (ref_ids, ref_lp), (ids, lp) in zip(loop, fused):
+        assert ids == ref_ids
+        for a, b in zip(ref_lp, lp):
+            assert max(abs(a[t] - b[t]) for t in a) <= 1e-3
+
+
+@two_gpus
 @pytest.mark.parametrize("ep", [True, False])
 def test_two_gpus_give_the_greedy_tokens_of_one(checkpoint, ep):
     one = _generate(checkpoint, 1, False)

@@ -1,7 +1,8 @@
 """Which models the decode CUDA graphs may capture (rooflm/worker/cuda_graphs.py). A model whose step waits on the
 host (Mixtral's reference expert loop asks the GPU which experts were chosen) is never captured: a failed capture
-under tensor parallelism leaves PyTorch's allocator and random-number state broken on every rank. The check comes
-before anything touches a GPU, so it runs here with a stand-in runner on a nominal CUDA device."""
+under tensor parallelism leaves PyTorch's allocator and random-number state broken on every rank. Mixtral on the
+fused MoE kernels never waits, so it is captured. The check comes before anything touches a GPU, so it runs here with
+a stand-in runner on a nominal CUDA device."""
 from __future__ import annotations
 
 import logging
@@ -14,13 +15,32 @@ from rooflm.models.mixtral import MixtralForCausalLM
 from rooflm.worker.cuda_graphs import capture_decode_graphs
 
 
-def test_models_declare_whether_a_step_can_be_captured() -> None:
+def _tiny_mixtral(ops: str) -> MixtralForCausalLM:
+    from rooflm.config import ModelConfig, load_model_config
+    from rooflm.layers.custom_op import op_selection
+
+    base = load_model_config("mixtral-8x7b").hf_config
+    cfg = ModelConfig.from_hf_dict({**base, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
+                                    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96,
+                                    "num_local_experts": 4, "num_experts_per_tok": 2})
+    with op_selection("cpu", ops=ops):
+        return MixtralForCausalLM(cfg)
+
+
+def test_models_declare_whether_a_step_can_be_captured(monkeypatch) -> None:
+    from rooflm.layers.custom_op import select_ops
+
     assert LlamaForCausalLM.cuda_graph_capturable is True
-    assert MixtralForCausalLM.cuda_graph_capturable is False
+    model = _tiny_mixtral("native")
+    assert model.cuda_graph_capturable is False  # the reference expert loop
+    select_ops(model, "triton")
+    assert model.cuda_graph_capturable is True  # the fused MoE kernels
+    monkeypatch.setenv("ROOFLM_FUSED_MOE", "0")  # the reference loop kept on the GPU path, for comparisons
+    assert _tiny_mixtral("triton").cuda_graph_capturable is False
 
 
 def test_a_model_that_waits_on_the_host_is_not_captured(caplog) -> None:
-    runner = SimpleNamespace(device=torch.device("cuda", 0), model=MixtralForCausalLM.__new__(MixtralForCausalLM))
+    runner = SimpleNamespace(device=torch.device("cuda", 0), model=_tiny_mixtral("native"))
     with caplog.at_level(logging.INFO, logger="rooflm"):
         assert capture_decode_graphs(runner, max_num_seqs=4) is None
     assert "MixtralForCausalLM synchronizes with the host" in caplog.text

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -135,8 +136,10 @@ def init_distributed(world_size: int, rank: int, init_method: str, device: torch
     if backend == "nccl" and _STATE.tp_size > 1:
         from rooflm.distributed.small_collectives import OneShotAllReduce
 
+        token = [uuid.uuid4().hex if rank == 0 else ""]  # names this engine's symmetric memory (symmetric_name)
+        dist.broadcast_object_list(token, src=0, group=cpu_group)
         # a collective over this stage's ranks, at the same point on every rank
-        _STATE.one_shot = OneShotAllReduce.create(_STATE.tp_group, device)
+        _STATE.one_shot = OneShotAllReduce.create(_STATE.tp_group, device, token=token[0])
         if all_reduce_min(int(_STATE.one_shot is not None)) == 0:  # one path for all ranks, or their collectives
             _STATE.one_shot = None                                 # would not meet
     return _STATE

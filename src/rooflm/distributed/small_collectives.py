@@ -77,8 +77,10 @@ class OneShotAllReduce:
             self.max_programs = max(1, min(256, handle.signal_pad_size // 4 // self.world))
 
     @classmethod
-    def create(cls, group: Any, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES) -> "OneShotAllReduce | None":
-        """The communicator for ``group`` on ``device``, or None where it cannot run (the caller then uses NCCL)."""
+    def create(cls, group: Any, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES,
+               token: str = "") -> "OneShotAllReduce | None":
+        """The communicator for ``group`` on ``device``, or None where it cannot run (the caller then uses NCCL).
+        ``token``: the same string on every rank and a new one for every process group (see ``symmetric_name``)."""
         mode = requested_mode()
         if device.type != "cuda" or mode == "nccl":
             return None
@@ -87,7 +89,7 @@ class OneShotAllReduce:
 
             if mode == "torch" and not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
                 raise RuntimeError("this PyTorch has no symm_mem.one_shot_all_reduce_copy")
-            name = group.group_name
+            name = symmetric_name(group, token) if token else group.group_name
             buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
             handle = symm_mem.rendezvous(buffer, name)
         except Exception as e:  # noqa: BLE001 - any failure here only costs speed: NCCL carries the traffic
@@ -115,6 +117,25 @@ class OneShotAllReduce:
         staging = self.buffer[:nbytes].view(x32.dtype).view(x32.shape)
         out = torch.ops.symm_mem.one_shot_all_reduce_copy(staging, x32, "sum", self.group_name)
         return out.to(x.dtype) if out.dtype != x.dtype else out
+
+
+def symmetric_name(group: Any, token: str) -> str:
+    """A name, new for this process group, under which PyTorch's symmetric memory meets the group's ranks.
+
+    Symmetric memory remembers, for the life of the process, which store each group name exchanges its buffers
+    through, while a process group made after ``destroy_process_group`` gets the name of the earlier one again (the
+    names come from the ranks, or from a counter that the destruction resets). A second engine in the same process
+    (the first shut down) would then look for its peers in the first group's store and wait forever, while its fresh
+    workers wait in the new one. So each group registers its own store under ``rooflm-<token>-<group name>``, with a
+    token that rank 0 draws and every rank receives."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from torch._C._distributed_c10d import _SymmetricMemory
+
+    name = f"rooflm-{token}-{group.group_name}"
+    store = dist.PrefixStore(f"symmetric_memory-{name}", c10d._get_process_group_store(group))
+    _SymmetricMemory.set_group_info(name, group.rank(), group.size(), store)
+    return name
 
 
 def gather_by_sum(x: torch.Tensor, sizes: list[int], rank: int, all_reduce) -> torch.Tensor:

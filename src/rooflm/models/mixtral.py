@@ -2,9 +2,11 @@
 
 Expert weights are stacked per layer: ``w13`` [experts, 2 * intermediate, hidden] (rows [w1=gate | w3=up]) and
 ``w2`` [experts, hidden, intermediate], over the experts and intermediate columns this rank holds (all of them on one
-rank). The routing and expert loop here is the plain torch reference; a fused
-MoE kernel can replace ``moe_forward`` behind the same signature. On the Triton path the expert projections of small
-batches go to the GEMV kernels (``linear_triton``) and the activation is the fused ``SiluAndMul``.
+rank). ``moe_forward`` here is the plain torch reference (the ``native`` path): it loops on the host over the experts
+some token chose. The Triton path runs ``rooflm.kernels.fused_moe`` instead: the pairs are grouped by expert on the
+device and two grouped GEMMs compute every chosen expert at once, with no host round trip, so a decode step can be
+captured in a CUDA graph. ``ROOFLM_FUSED_MOE=0`` (read when the model is built) keeps the reference loop on the GPU,
+with its expert projections on the GEMV kernels, for comparisons.
 
 Tensor parallelism (``rooflm.distributed``): attention splits its heads as in Llama. The experts split one of two
 ways, each ending in one all-reduce of the layer's output over the tensor-parallel ranks:
@@ -21,6 +23,7 @@ the router, whose top-k choice a rounding error would flip (GPTQ and AWQ checkpo
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -30,7 +33,7 @@ from rooflm.config import ModelConfig
 from rooflm.distributed.parallel_state import get_ep_rank, get_ep_size, get_tp_rank, get_tp_size, tp_all_reduce
 from rooflm.distributed.partition import Shard, expert_range, shard_range
 from rooflm.layers.activation import get_gated_activation
-from rooflm.layers.custom_op import CustomOp
+from rooflm.layers.custom_op import TRITON, CustomOp
 from rooflm.layers.linear import Linear, linear_native, linear_triton
 from rooflm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from rooflm.models.weights import WeightTarget
@@ -87,6 +90,8 @@ class MixtralMoE(CustomOp):
         self.w2 = nn.Parameter(torch.empty(self.num_local_experts, cfg.hidden_size, self.intermediate_size),
                                requires_grad=False)
         self.act_and_mul = get_gated_activation(cfg.hidden_act)
+        # The fused kernel's epilogue is SiLU-and-multiply, the activation of every Mixtral checkpoint.
+        self.fused = cfg.hidden_act == "silu" and os.environ.get("ROOFLM_FUSED_MOE", "1") != "0"
 
     def _experts(self, x: torch.Tensor, linear) -> torch.Tensor:
         weights, ids = route_topk(self.gate(x), self.top_k)
@@ -97,7 +102,18 @@ class MixtralMoE(CustomOp):
         return self._experts(x, linear_native)
 
     def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
-        return self._experts(x, linear_triton)
+        if not self.fused:
+            return self._experts(x, linear_triton)
+        from rooflm.kernels.fused_moe import fused_moe
+
+        weights, ids = route_topk(self.gate(x), self.top_k)
+        out = fused_moe(x, self.w13, self.w2, weights, ids, self.expert_start, self.num_experts)
+        return tp_all_reduce(out) if self.tp_size > 1 else out
+
+    @property
+    def waits_on_host(self) -> bool:
+        """True when a step of this block asks the GPU which experts were chosen (the reference loop)."""
+        return not (self.impl == TRITON and self.fused)
 
     def is_local_expert(self, e: int) -> bool:
         return self.expert_start <= e < self.expert_start + self.num_local_experts
@@ -139,7 +155,11 @@ class MixtralModel(LlamaModel):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     model_class = MixtralModel
-    # ``moe_forward`` picks the chosen experts on the host (torch.unique, torch.nonzero): a step synchronizes with the
-    # GPU, which a CUDA graph cannot capture. Capturing anyway fails, and under tensor parallelism a failed capture
-    # leaves PyTorch's allocator and random-number state broken on every rank, so decode runs eagerly.
-    cuda_graph_capturable = False
+
+    @property
+    def cuda_graph_capturable(self) -> bool:  # type: ignore[override]
+        """Only with the fused MoE kernels. The reference ``moe_forward`` picks the chosen experts on the host
+        (torch.unique, torch.nonzero): a step synchronizes with the GPU, which a CUDA graph cannot capture. Capturing
+        anyway fails, and under tensor parallelism a failed capture leaves PyTorch's allocator and random-number
+        state broken on every rank, so such a model decodes eagerly."""
+        return not any(m.waits_on_host for m in self.modules() if isinstance(m, MixtralMoE))
