@@ -40,7 +40,11 @@ def test_bench_latency_json(tmp_path, capsys):
     assert (d["batch_size"], d["input_len"], d["output_len"]) == (2, 16, 4)
     assert 0 < d["ttft_s"] < d["e2e_s"] and d["tpot_s"] > 0
     assert d["decode_tok_s"] == pytest.approx(d["batch_size"] / d["tpot_s"], rel=1e-6)
-    assert 0 < d["fraction_of_roofline_tpot"] <= 1 and 0 < d["fraction_of_roofline_ttft"] <= 1
+    # bound / measured; no upper limit: on a busy machine the copy-bandwidth probe can read below what the tiny
+    # model's cached decode then reaches, so a fraction above 1 is a measurement, not a bug
+    assert d["fraction_of_roofline_tpot"] == pytest.approx(d["roofline"]["tpot_s"] / d["tpot_s"])
+    assert d["fraction_of_roofline_ttft"] == pytest.approx(d["roofline"]["ttft_s"] / d["ttft_s"])
+    assert d["fraction_of_roofline_tpot"] > 0 and d["fraction_of_roofline_ttft"] > 0
     assert d["ceilings"]["copy_gbps"] > 0 and d["ceilings"]["matmul_tflops"] > 0
 
 

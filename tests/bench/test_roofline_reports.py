@@ -92,3 +92,36 @@ def test_latency_report_states_the_split_bound_under_tensor_parallelism():
     res["fraction_of_split_roofline_tpot"] = 0.005 / 0.008
     line = [x for x in latency_lines(res) if "over 2 devices" in x]
     assert line and "62.5% reached" in line[0] and "5.00 ms" in line[0]
+
+
+def test_expert_parallel_bound_waits_for_the_busiest_device():
+    """bench latency under expert parallelism also states one GPU's bound with whole experts split over the GPUs:
+    at batch 1 of Mixtral both chosen experts share a GPU 3 times in 7, so that bound lies above the even split;
+    at batch 32 every GPU touches all its experts and the two agree. Dense models and one GPU get no such bound."""
+    from rooflm.bench.preflight import roofline_bounds
+    from rooflm.bench.reports import latency_lines
+    from rooflm.config import load_model_config
+
+    cfg = load_model_config("mixtral-8x7b")
+    ceilings = {"device": "test", "copy_gbps": 3000.0, "matmul_tflops": 700.0}
+    one = roofline_bounds(cfg, ceilings, 1, 512, 64, expert_parallel_size=2)
+    assert one["tpot_s"] / 2 < one["ep_tpot_s"] < one["tpot_s"]
+    # the extra time is the busiest GPU's 3/7 of an expert per layer beyond the even split's one
+    expert_s = 3 * cfg.hidden_size * cfg.intermediate_size * 2 / 3000e9
+    assert one["ep_tpot_s"] - one["tpot_s"] / 2 == pytest.approx(cfg.num_hidden_layers * 3 / 7 * expert_s, rel=0.05)
+    big = roofline_bounds(cfg, ceilings, 32, 512, 64, expert_parallel_size=2)
+    assert big["ep_tpot_s"] == pytest.approx(big["tpot_s"] / 2, rel=0.02)
+    assert "ep_tpot_s" not in roofline_bounds(cfg, ceilings, 1, 512, 64)
+    assert "ep_tpot_s" not in roofline_bounds(load_model_config("llama-2-7b"), ceilings, 1, 512, 64,
+                                              expert_parallel_size=2)
+
+    res = {"model": "m", "dtype": "float16", "batch_size": 1, "input_len": 8, "output_len": 4, "ceilings": CEILINGS,
+           "attention_backend": ["triton"], "cuda_graphs": True, "engine_init_s": 1.0, "graph_capture_s": 0.5,
+           "warmup_s": 1.0, "ttft_s": 0.1, "tpot_s": 0.008, "decode_tok_s": 125.0, "e2e_tok_s": 50.0,
+           "roofline": {"tpot_s": 0.010, "ttft_s": 0.05}, "fraction_of_roofline_tpot": 1.25,
+           "fraction_of_roofline_ttft": 0.5, "achieved_gbps": 10.0, "fraction_of_copy_bandwidth": 0.1,
+           "prefill_tflops": 0.5, "prefill_fraction_of_matmul_peak": 0.5,
+           "expert_parallel_roofline": {"devices": 2, "tpot_s": 0.006},
+           "fraction_of_expert_parallel_roofline_tpot": 0.006 / 0.008}
+    line = [x for x in latency_lines(res) if "experts split whole over 2 devices" in x]
+    assert line and "75.0% reached" in line[0] and "6.00 ms" in line[0]

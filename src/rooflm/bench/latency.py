@@ -289,7 +289,8 @@ def run(args: argparse.Namespace) -> int:
     # a float model's weights take its dtype's bytes (a float32 run on the CPU moves 4 bytes per weight, not 2)
     bounds = roofline_bounds(cfg, ceilings, B, L_in, L_out,
                              w_bits=weight_format(engine.model) or weight_bits(res["dtype"], None),
-                             kv_bits=kv_format(cfg.head_dim, res["dtype"], args.kv_cache_dtype))
+                             kv_bits=kv_format(cfg.head_dim, res["dtype"], args.kv_cache_dtype),
+                             expert_parallel_size=args.tensor_parallel_size if res["enable_expert_parallel"] else 1)
     if bounds:
         res["roofline"] = bounds
         res["achieved_gbps"] = bounds["decode_step_bytes"] / med["tpot_s"] / 1e9
@@ -302,6 +303,9 @@ def run(args: argparse.Namespace) -> int:
         if tp > 1:  # the same bytes and FLOPs spread evenly over tp devices, collectives free: their combined roof
             res["split_roofline"] = {"devices": tp, "tpot_s": bounds["tpot_s"] / tp}
             res["fraction_of_split_roofline_tpot"] = bounds["tpot_s"] / tp / med["tpot_s"]
+        if "ep_tpot_s" in bounds:
+            res["expert_parallel_roofline"] = {"devices": tp, "tpot_s": bounds["ep_tpot_s"]}
+            res["fraction_of_expert_parallel_roofline_tpot"] = bounds["ep_tpot_s"] / med["tpot_s"]
     try:
         from rooflm.kernels import gemv
 

@@ -135,10 +135,12 @@ def kv_format(head_dim: int, model_dtype: str, kv_cache_dtype: str = "auto") -> 
 
 
 def roofline_bounds(cfg, ceilings: dict, batch: int, input_len: int, output_len: int, w_bits: object = 16,
-                    kv_bits: object = 16) -> dict | None:
+                    kv_bits: object = 16, expert_parallel_size: int = 1) -> dict | None:
     """Best-possible TTFT / TPOT and the bytes and FLOPs they imply, from rooflm.roofline on the measured ceilings.
     ``w_bits``: the projection weights' format (a quantized model's ``rooflm.quantization.apply.weight_format``);
-    ``kv_bits``: the KV cache's (``kv_format``)."""
+    ``kv_bits``: the KV cache's (``kv_format``). ``expert_parallel_size`` > 1 (a MoE model's experts split whole
+    over that many GPUs) adds ``ep_tpot_s``: one GPU's best TPOT under that split, each layer waiting for the GPU
+    whose experts the step touched most, collectives free."""
     try:
         from rooflm.roofline import Hardware, analyze
     except ImportError:
@@ -149,6 +151,14 @@ def roofline_bounds(cfg, ceilings: dict, batch: int, input_len: int, output_len:
     r = analyze(cfg, hw, batch=batch, input_len=input_len, output_len=output_len, flash_attention=True,
                 prefill_logits="last", w_bits=w_bits, kv_bits=kv_bits)
     steps = max(1, output_len - 1)
-    return {"ttft_s": r.request.ttft_s, "tpot_s": r.request.tpot_s,
-            "decode_step_bytes": (r.request.memory_access - r.prefill.totals.memory_access) / steps,
-            "prefill_ops": r.prefill.totals.ops, "weights_bytes": r.memory.weights}
+    out = {"ttft_s": r.request.ttft_s, "tpot_s": r.request.tpot_s,
+           "decode_step_bytes": (r.request.memory_access - r.prefill.totals.memory_access) / steps,
+           "prefill_ops": r.prefill.totals.ops, "weights_bytes": r.memory.weights}
+    if expert_parallel_size > 1 and cfg.is_moe:
+        free_link = Hardware.from_measured(ceilings["copy_gbps"], {"fp16": peak, "bf16": peak, "fp32": peak / 2},
+                                           memory_gib=1024, interconnect_gbs=1e12, name=hw.name)
+        e = analyze(cfg, free_link, batch=batch, input_len=input_len, output_len=output_len, flash_attention=True,
+                    prefill_logits="last", w_bits=w_bits, kv_bits=kv_bits, tp=expert_parallel_size,
+                    expert_parallel=True)
+        out["ep_tpot_s"] = e.request.tpot_s
+    return out

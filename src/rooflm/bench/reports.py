@@ -51,6 +51,11 @@ def latency_lines(r: dict) -> list[str]:
             sr = r["split_roofline"]
             lines.append(f"  over {sr['devices']} devices (bytes split evenly, collectives free): TPOT >= "
                          f"{duration(sr['tpot_s'])} ({_pct(r['fraction_of_split_roofline_tpot'])} reached)")
+        if "expert_parallel_roofline" in r:
+            er = r["expert_parallel_roofline"]
+            lines.append(f"  experts split whole over {er['devices']} devices (each layer waits for the device whose "
+                         f"experts the step touched most; collectives free): TPOT >= {duration(er['tpot_s'])} "
+                         f"({_pct(r['fraction_of_expert_parallel_roofline_tpot'])} reached)")
         lines.append(f"  achieved {bandwidth(r['achieved_gbps'] * 1e9)} in decode = "
                      f"{_pct(r['fraction_of_copy_bandwidth'])} of the measured copy bandwidth; prefill "
                      f"{flop_rate(r['prefill_tflops'] * 1e12)} = {_pct(r['prefill_fraction_of_matmul_peak'])} of the "

@@ -7,6 +7,7 @@ V vocab (÷tp), E experts (E/ep on each GPU under expert parallelism, ep = tp), 
 norms, router, biases). A multiply-accumulate counts 2 OPs. Every formula below is per operator, per layer."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -123,6 +124,59 @@ def expected_distinct_experts(experts: int, top_k: int, tokens: int) -> float:
     return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
 
 
+# Past this many (state, choice) pairs per token the busiest rank's count is not computed exactly (see below).
+BUSIEST_RANK_MAX_WORK = 200_000
+
+
+@functools.lru_cache(maxsize=4096)
+def expected_busiest_rank_experts(experts: int, top_k: int, tokens: int, ep: int) -> float:
+    """Expected number of distinct experts touched on the busiest of ``ep`` ranks that hold ``experts / ep`` whole
+    experts each, when each of ``tokens`` tokens picks ``top_k`` distinct experts uniformly.
+
+    Under expert parallelism a MoE layer ends in an all-reduce, so every rank waits for the one that reads the most
+    experts: its count, not the average E·(1 - (1 - k/E)^T) / ep, is the layer's critical path. At one token of
+    Mixtral (8 experts, top-2) over two ranks the two experts share a rank with probability 3/7, so the busiest rank
+    reads 1 + 3/7 experts on average against 1.0 for an even split.
+
+    Exact, by dynamic programming over the touched counts of the ranks (as a multiset: ranks are interchangeable).
+    One token moves the state (t_1..t_ep) by n_r new experts on rank r and j = k - sum(n) already touched ones, with
+    probability prod_r C(m - t_r, n_r) · C(sum(t), j) / C(E, k) (m = E / ep). Where that would take more than
+    ``BUSIEST_RANK_MAX_WORK`` steps per token (many experts and ranks), the even split is returned: a lower bound."""
+    if ep <= 1:
+        return expected_distinct_experts(experts, top_k, tokens)
+    m = experts // ep
+    if math.comb(m + ep, ep) * math.comb(top_k + ep, ep) > BUSIEST_RANK_MAX_WORK:
+        return expected_distinct_experts(experts, top_k, tokens) / ep
+    total = math.comb(experts, top_k)
+    dist: dict[tuple[int, ...], float] = {(0,) * ep: 1.0}
+    full = (m,) * ep
+    for _ in range(tokens):
+        nxt: dict[tuple[int, ...], float] = {}
+        for state, p in dist.items():
+            touched = sum(state)
+            for new in _new_per_rank(state, m, top_k):
+                j = top_k - sum(new)
+                if j > touched:
+                    continue
+                w = math.comb(touched, j) * math.prod(math.comb(m - t, n) for t, n in zip(state, new))
+                key = tuple(sorted(t + n for t, n in zip(state, new)))
+                nxt[key] = nxt.get(key, 0.0) + p * w / total
+        dist = nxt
+        if dist.get(full, 0.0) > 1.0 - 1e-12:  # every expert touched: nothing changes any more
+            break
+    return sum(p * max(state) for state, p in dist.items())
+
+
+def _new_per_rank(state: tuple[int, ...], m: int, k: int, i: int = 0):
+    """Every (n_1..n_ep) with n_r <= m - t_r and sum <= k: how many new experts a token picks on each rank."""
+    if i == len(state):
+        yield ()
+        return
+    for n in range(min(m - state[i], k) + 1):
+        for rest in _new_per_rank(state, m, k - n, i + 1):
+            yield (n,) + rest
+
+
 def _linear(name: str, tokens: float, n_in: int, n_out: int, weight_elems: float, p: Precision,
             out_to_kv: bool = False, bias: bool = False, weight_role: str = "weight") -> OpCount:
     """y[tokens, n_out] = x[tokens, n_in] @ W[n_in, n_out] (+ bias): OPs 2·tokens·n_in·n_out (+ tokens·n_out);
@@ -202,8 +256,9 @@ def _mlp_ops(d: Dims, p: Precision, tokens: int) -> list[OpCount]:
     """Gated MLP. Dense: gate/up (h -> I), act on T·I elements (not T·h), down (I -> h).
     MoE: router (h -> E, hp weights), each token to k experts (R = T·k routed rows); expert weights loaded for the
     expected number of distinct experts touched; a combine sums the k weighted outputs (OPs 2·R·h). Expert
-    parallelism over ep GPUs: the router stays whole; each GPU runs 1/ep of the routed rows and of the distinct
-    experts (uniform routing spreads them evenly), on whole experts."""
+    parallelism over ep GPUs: the router stays whole; each GPU runs 1/ep of the routed rows, on whole experts, and
+    reads the weights of the experts the busiest rank touches (``expected_busiest_rank_experts``: the layer's
+    all-reduce waits for that rank)."""
     h, I, a = d.hidden, d.inter, p.act.bytes
     if not d.experts:
         return [
@@ -214,7 +269,7 @@ def _mlp_ops(d: Dims, p: Precision, tokens: int) -> list[OpCount]:
             _linear("down_proj", tokens, I, h, I * h, p),
         ]
     R = tokens * d.top_k / d.ep
-    distinct = expected_distinct_experts(d.experts, d.top_k, tokens) / d.ep
+    distinct = expected_busiest_rank_experts(d.experts, d.top_k, int(tokens), d.ep)
     return [
         _linear("router", tokens, h, d.experts, h * d.experts, p, weight_role="high"),
         _linear("gate_proj", R, h, I, distinct * h * I, p),
