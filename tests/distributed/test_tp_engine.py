@@ -39,6 +39,8 @@ def test_tiny_model_tp2_equals_tp1_greedy_and_seeded(make_engine, tiny_checkpoin
     attn = tp.model.model.layers[0].self_attn
     # the KV head is replicated: each rank holds it and 2 of the 4 query heads; the vocabulary splits 66 + 65
     assert (attn.num_heads, attn.num_kv_heads, tp.model.lm_head.out_features) == (2, 1, 66)
+    # the live roofline bounds each step by one GPU's share (tests/roofline/test_roofline_live.py checks its value)
+    assert (tp.roofline.tp, ref_engine.roofline.tp) == (2, 1)
     _assert_same(ref_greedy, run(tp, PROMPTS, greedy), tol=1e-5)
     _assert_same(ref_seeded, run(tp, PROMPTS[:3], seeded), tol=1e-5)
 

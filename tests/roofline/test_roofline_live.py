@@ -194,3 +194,25 @@ def test_prefill_chunk_is_the_longest_prompt_step_within_two_decode_steps(tflops
 def test_prefill_chunk_grows_with_the_compute_per_byte():
     chunks = [_live(hw=round_hw(bw_gbs=100.0, tflops=t))[0].prefill_chunk_tokens() for t in (0.05, 1.0, 20.0)]
     assert chunks[0] < chunks[1] < chunks[2]
+
+
+def test_tensor_parallel_steps_are_one_gpus_share_and_measured_ceilings_count_collectives_free():
+    """Under tensor parallelism every rank runs the same step on its shard: the live bound is one GPU's share. With
+    catalogued hardware it equals the analyzer's ``tp`` decode step (collectives over the catalogued link); measured
+    ceilings carry no link figure, so the collectives count as free there (a lower bound), never an error."""
+    live, cfg, hardware = _live(hw="h100-sxm", tp=2)
+    assert live.tp == 2
+    assert live.predict([1], [1024], 1) == pytest.approx(decode_step_time(cfg, hardware, 1, 1024, tp=2, **OPTS),
+                                                        rel=REL)
+    measured = Hardware.from_measured(3000, {"fp16": 700}, memory_gib=80)
+    one = LiveRoofline(cfg, "float16", measured).predict([1], [1024], 1)
+    two = LiveRoofline(cfg, "float16", measured, tp=2)
+    assert two.hardware is measured  # reported as measured
+    assert 0.5 * one < two.predict([1], [1024], 1) < 0.52 * one  # half the bytes; norms and the router stay whole
+
+    mixtral = load_model_config("mixtral-8x7b")
+    sliced = LiveRoofline(mixtral, "float16", measured, tp=2).predict([1], [512], 1)
+    ep = LiveRoofline(mixtral, "float16", measured, tp=2, expert_parallel=True)
+    # one token: the busiest of two GPUs holds 1 + 3/7 of the two chosen experts on average, against 1.0 sliced
+    expert_s = 3 * mixtral.hidden_size * mixtral.intermediate_size * 2 / 3000e9
+    assert ep.predict([1], [512], 1) - sliced == pytest.approx(mixtral.num_hidden_layers * 3 / 7 * expert_s, rel=0.01)

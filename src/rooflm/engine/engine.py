@@ -141,9 +141,12 @@ class LLMEngine:
         from rooflm.quantization.apply import weight_format
 
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)  # the cache's element type
-        # a quantized model's bound is for the bytes its packed weights (and its cache) really take
+        # a quantized model's bound is for the bytes its packed weights (and its cache) really take; under tensor
+        # parallelism it is one GPU's share (every rank runs the same step)
         self.roofline = LiveRoofline.for_engine(cfg, self.dtype, self.device, kv_dtype=self.kv_dtype,
-                                                weight_format=weight_format(self.model))
+                                                weight_format=weight_format(self.model),
+                                                tp=config.tensor_parallel_size,
+                                                expert_parallel=config.enable_expert_parallel)
         from rooflm.spec_decode.config import SpeculativeConfig
 
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)

@@ -101,12 +101,14 @@ class LiveRoofline:
 
     model_config: the served model; dtype: weights and activations (torch dtype); kv_dtype: the KV cache (default
     ``dtype``); hardware: the ceilings (``for_engine`` measures them or takes a catalog entry); tp: tensor-parallel
-    degree (figures per GPU); weight_format: the format of the quantized projection weights, with the bytes per
-    element the model's packed weights really take (``rooflm.quantization.apply.weight_format``), None for float
-    weights in ``dtype``."""
+    degree (figures per GPU, each step's collectives free where ``hardware`` gives no interconnect bandwidth, as
+    measured ceilings do not); expert_parallel: a MoE model's experts split whole over the ``tp`` GPUs, each layer
+    waiting for the GPU whose experts the step touched most; weight_format: the format of the quantized projection
+    weights, with the bytes per element the model's packed weights really take
+    (``rooflm.quantization.apply.weight_format``), None for float weights in ``dtype``."""
 
     def __init__(self, model_config: "ModelConfig", dtype: "torch.dtype | str", hardware: Hardware, *,
-                 kv_dtype: "torch.dtype | str | None" = None, tp: int = 1,
+                 kv_dtype: "torch.dtype | str | None" = None, tp: int = 1, expert_parallel: bool = False,
                  weight_format: "Format | None" = None) -> None:
         if not isinstance(hardware, Hardware):
             raise ValueError(f"hardware={hardware!r} is invalid: expected a rooflm.roofline.Hardware")
@@ -119,7 +121,12 @@ class LiveRoofline:
             p = replace(p, weight=weight_format)
         self.hardware = hardware
         self.model_config = model_config
-        self._x = _Ctx(Dims.of(model_config, tp), p, Counting(flash_attention=True, prefill_logits="last"), hardware)
+        self.tp = tp
+        # the bound of one GPU's share; without a link figure the collectives count as free (a lower bound)
+        ctx_hw = replace(hardware, interconnect_bandwidth=float("inf")) if (
+            tp > 1 and hardware.interconnect_bandwidth is None) else hardware
+        self._x = _Ctx(Dims.of(model_config, tp, expert_parallel), p,
+                       Counting(flash_attention=True, prefill_logits="last"), ctx_hw)
         self._layers = self._x.d.layers
         self._window = self._x.d.window
         self._attn = self._attention_coefficients()
