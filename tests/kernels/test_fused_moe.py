@@ -57,6 +57,19 @@ def test_plan_groups_every_local_pair_once_in_whole_tiles(device, t, num_experts
     assert torch.equal(plans[0].block_expert, plans[1].block_expert)
 
 
+def test_the_tile_bound_holds_for_the_routing_that_needs_the_most_tiles(device) -> None:
+    """Every expert one pair past a whole tile (17 pairs of 16-row tiles): 16 tiles, exactly ``max_blocks``."""
+    from rooflm.kernels.fused_moe import max_blocks, moe_align
+
+    ids = torch.arange(8).repeat_interleave(17)[torch.randperm(136, generator=torch.Generator().manual_seed(0))]
+    ids = ids.view(68, 2).to(device)
+    assert max_blocks(136, 8, 16) == 16
+    for method in ("triton", "torch"):
+        plan = moe_align(ids, 8, 0, 16, method=method)
+        _check_plan(plan, ids, 8, 0)
+        assert (plan.block_expert >= 0).all()  # every tile used
+
+
 def test_large_steps_take_the_torch_plan_and_bad_methods_are_refused(device) -> None:
     from rooflm.kernels.fused_moe import ALIGN_ONE_PROGRAM_MAX, moe_align
 
@@ -140,5 +153,9 @@ def test_empty_steps_and_bad_shapes(device) -> None:
     with pytest.raises(ValueError, match=r"block_m differ \(16, 32\)"):
         fused_moe(torch.randn(3, 32, device=device), w13, w2, weights.to(device), ids.to(device),
                   configs=(MoEGemmConfig(16, 32, 32, 4, 1), MoEGemmConfig(32, 32, 32, 4, 1)))
+    with pytest.raises(ValueError, match=r"topk_ids \(3, 2\) and topk_weights \(3, 1\) must both be \[3, top_k\]"):
+        fused_moe(torch.randn(3, 32, device=device), w13, w2, weights[:, :1].to(device), ids.to(device))
+    with pytest.raises(ValueError, match=r"topk_ids \(2, 2\)"):
+        fused_moe(torch.randn(3, 32, device=device), w13, w2, weights[:2].to(device), ids[:2].to(device))
     with pytest.raises(ValueError, match="contiguous"):
         fused_moe(torch.randn(32, 3, device=device).t(), w13, w2, weights.to(device), ids.to(device))

@@ -49,9 +49,10 @@ class MoEPlan:
 
 
 def max_blocks(num_pairs: int, num_local: int, block_m: int) -> int:
-    """An upper bound on the tiles any routing needs: sum over experts of ceil(count / block_m) is at most
-    floor(pairs / block_m) plus one per expert that got any pair."""
-    return num_pairs // block_m + min(num_local, num_pairs) + 1
+    """An upper bound on the tiles any routing needs: sum over experts of ceil(count / block_m) is at most the sum of
+    floor(count / block_m), itself at most floor(pairs / block_m), plus one per expert that got any pair. The plan's
+    stores rely on it (no index past the tiles)."""
+    return num_pairs // block_m + min(num_local, num_pairs)
 
 
 @triton.jit
@@ -226,6 +227,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         raise ValueError(f"fused_moe: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)}")
     if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("fused_moe: x, w13 and w2 must be contiguous in their last dimension")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"fused_moe: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+                         f"must both be [{t}, top_k] for x {tuple(x.shape)}")
     top_k = topk_ids.shape[1]
     num_pairs = t * top_k
     if t == 0:
