@@ -93,22 +93,22 @@ class MixtralMoE(CustomOp):
         # The fused kernel's epilogue is SiLU-and-multiply, the activation of every Mixtral checkpoint.
         self.fused = cfg.hidden_act == "silu" and os.environ.get("ROOFLM_FUSED_MOE", "1") != "0"
 
-    def _experts(self, x: torch.Tensor, linear) -> torch.Tensor:
+    def _experts(self, x: torch.Tensor, linear: Callable | None) -> torch.Tensor:
+        """The routed experts' weighted sum: the reference loop with ``linear``, the fused kernels with None."""
         weights, ids = route_topk(self.gate(x), self.top_k)
-        out = moe_forward(x, self.w13, self.w2, weights, ids, self.act_and_mul, linear, self.expert_start)
+        if linear is None:
+            from rooflm.kernels.fused_moe import fused_moe
+
+            out = fused_moe(x, self.w13, self.w2, weights, ids, self.expert_start, self.num_experts)
+        else:
+            out = moe_forward(x, self.w13, self.w2, weights, ids, self.act_and_mul, linear, self.expert_start)
         return tp_all_reduce(out) if self.tp_size > 1 else out  # partial sums (of slices or of experts) added up
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         return self._experts(x, linear_native)
 
     def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.fused:
-            return self._experts(x, linear_triton)
-        from rooflm.kernels.fused_moe import fused_moe
-
-        weights, ids = route_topk(self.gate(x), self.top_k)
-        out = fused_moe(x, self.w13, self.w2, weights, ids, self.expert_start, self.num_experts)
-        return tp_all_reduce(out) if self.tp_size > 1 else out
+        return self._experts(x, None if self.fused else linear_triton)
 
     @property
     def waits_on_host(self) -> bool:
