@@ -110,3 +110,21 @@ def test_zero_shard_loads_zeros_of_the_shape():
 
     assert torch.equal(narrow_weight(torch.arange(4.0) + 1, Shard(zero=True)), torch.zeros(4))
     assert torch.equal(narrow_weight(_packed(8), Shard(zero=True)), torch.zeros(6, 64))
+
+
+def test_the_roofline_prices_an_uneven_split_as_rank_0s_share():
+    """The analyzer splits a model only evenly; an engine split unevenly (SmolLM2's 9 heads and 3 KV heads over two
+    ranks) is priced as rank 0's share, the largest: its heads, MLP columns and vocabulary rows, as a model of its own."""
+    from rooflm.config import load_model_config
+    from rooflm.distributed.partition import head_shard, roofline_share, shard_range
+
+    even = load_model_config("llama-2-7b")
+    assert roofline_share(even, 2) == (even, 2)
+    cfg = load_model_config("smollm2-135m")
+    share, tp = roofline_share(cfg, 2)
+    hs = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads, 2, 0)
+    assert tp == 1 and (share.num_attention_heads, share.num_key_value_heads) == (hs.num_heads, hs.num_kv_heads)
+    assert share.num_attention_heads < cfg.num_attention_heads and share.head_dim == cfg.head_dim
+    assert share.intermediate_size == shard_range(cfg.intermediate_size, 2, 0)[1] == 768
+    assert share.vocab_size == shard_range(cfg.vocab_size, 2, 0)[1] < cfg.vocab_size
+    assert (share.hidden_size, share.num_hidden_layers) == (cfg.hidden_size, cfg.num_hidden_layers)

@@ -156,8 +156,11 @@ def roofline_bounds(cfg, ceilings: dict, batch: int, input_len: int, output_len:
            "decode_step_bytes": (r.request.memory_access - r.prefill.totals.memory_access) / steps,
            "prefill_ops": r.prefill.totals.ops, "weights_bytes": r.memory.weights}
     if expert_parallel_size > 1 and cfg.is_moe:
-        e = analyze(cfg, hw, batch=batch, input_len=input_len, output_len=output_len, flash_attention=True,
-                    prefill_logits="last", w_bits=w_bits, kv_bits=kv_bits, tp=expert_parallel_size,
-                    expert_parallel=True)
+        try:
+            e = analyze(cfg, hw, batch=batch, input_len=input_len, output_len=output_len, flash_attention=True,
+                        prefill_logits="last", w_bits=w_bits, kv_bits=kv_bits, tp=expert_parallel_size,
+                        expert_parallel=True)
+        except ValueError:  # heads the analyzer cannot split evenly: no such bound, the even split stands alone
+            return out
         out["ep_tpot_s"] = e.request.tpot_s
     return out

@@ -99,6 +99,22 @@ def shard_model_config(cfg: ModelConfig, tp: int, tp_rank: int, pp: int = 1, pp_
     return dataclasses.replace(cfg, num_attention_heads=hs.num_heads, num_key_value_heads=hs.num_kv_heads)
 
 
+def roofline_share(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> tuple[ModelConfig, int]:
+    """What the roofline prices for one tensor-parallel rank, as (model, tp) for ``rooflm.roofline``: the model with
+    ``tp`` where the analyzer can split it evenly, else (an uneven split, such as 9 heads over 2 ranks) rank 0's
+    share, the largest, as a model of its own: its query and KV heads, its MLP columns and its vocabulary rows."""
+    from rooflm.roofline.ops import Dims
+
+    try:
+        Dims.of(cfg, tp, expert_parallel)
+        return cfg, tp
+    except ValueError:
+        hs = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads, tp, 0)
+        return dataclasses.replace(cfg, num_attention_heads=hs.num_heads, num_key_value_heads=hs.num_kv_heads,
+                                   intermediate_size=shard_range(cfg.intermediate_size, tp, 0)[1],
+                                   vocab_size=shard_range(cfg.vocab_size, tp, 0)[1]), 1
+
+
 def check_pipeline_parallel(cfg: ModelConfig, pp: int) -> None:
     """ValueError naming ``pipeline_parallel_size`` when ``cfg`` cannot be split into ``pp`` stages."""
     if pp == 1:

@@ -24,7 +24,7 @@ import torch
 from rooflm.attention.kv_quant import kv_storage_dtype
 from rooflm.config import EngineConfig, ModelConfig
 from rooflm.distributed.executor import tp_cuda_graphs
-from rooflm.distributed.partition import shard_model_config
+from rooflm.distributed.partition import roofline_share, shard_model_config
 from rooflm.engine.output_processor import OutputProcessor
 from rooflm.engine.request import Request
 from rooflm.engine.sched_output import SchedulerOutput
@@ -143,10 +143,10 @@ class LLMEngine:
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)  # the cache's element type
         # a quantized model's bound is for the bytes its packed weights (and its cache) really take; under tensor
         # parallelism it is one GPU's share (every rank runs the same step)
-        self.roofline = LiveRoofline.for_engine(cfg, self.dtype, self.device, kv_dtype=self.kv_dtype,
-                                                weight_format=weight_format(self.model),
-                                                tp=config.tensor_parallel_size,
-                                                expert_parallel=config.enable_expert_parallel)
+        live_cfg, live_tp = roofline_share(cfg, config.tensor_parallel_size, config.enable_expert_parallel)
+        self.roofline = LiveRoofline.for_engine(live_cfg, self.dtype, self.device, kv_dtype=self.kv_dtype,
+                                                weight_format=weight_format(self.model), tp=live_tp,
+                                                expert_parallel=config.enable_expert_parallel and live_tp > 1)
         from rooflm.spec_decode.config import SpeculativeConfig
 
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)
