@@ -114,7 +114,8 @@ def test_zero_shard_loads_zeros_of_the_shape():
 
 def test_the_roofline_prices_an_uneven_split_as_rank_0s_share():
     """The analyzer splits a model only evenly; an engine split unevenly (SmolLM2's 9 heads and 3 KV heads over two
-    ranks) is priced as rank 0's share, the largest: its heads, MLP columns and vocabulary rows, as a model of its own."""
+    ranks) is priced as rank 0's share, the largest: its heads, MLP columns and vocabulary rows, as a model of its
+    own."""
     from rooflm.config import load_model_config
     from rooflm.distributed.partition import head_shard, roofline_share, shard_range
 
