@@ -78,15 +78,20 @@ def test_latency_profile_lines():
     assert "batch 8" in lines[2] and "no consecutive steps" in lines[2]
 
 
+def _gpu_latency_result() -> dict:
+    """A ``bench latency`` result of a GPU run with its one-device roofline, for the report lines."""
+    return {"model": "m", "dtype": "float16", "batch_size": 1, "input_len": 8, "output_len": 4, "ceilings": CEILINGS,
+            "attention_backend": ["triton"], "cuda_graphs": True, "engine_init_s": 1.0, "graph_capture_s": 0.5,
+            "warmup_s": 1.0, "ttft_s": 0.1, "tpot_s": 0.008, "decode_tok_s": 125.0, "e2e_tok_s": 50.0,
+            "roofline": {"tpot_s": 0.010, "ttft_s": 0.05}, "fraction_of_roofline_tpot": 1.25,
+            "fraction_of_roofline_ttft": 0.5, "achieved_gbps": 10.0, "fraction_of_copy_bandwidth": 0.1,
+            "prefill_tflops": 0.5, "prefill_fraction_of_matmul_peak": 0.5}
+
+
 def test_latency_report_states_the_split_bound_under_tensor_parallelism():
     from rooflm.bench.reports import latency_lines
 
-    res = {"model": "m", "dtype": "float16", "batch_size": 1, "input_len": 8, "output_len": 4, "ceilings": CEILINGS,
-           "attention_backend": ["triton"], "cuda_graphs": True, "engine_init_s": 1.0, "graph_capture_s": 0.5,
-           "warmup_s": 1.0, "ttft_s": 0.1, "tpot_s": 0.008, "decode_tok_s": 125.0, "e2e_tok_s": 50.0,
-           "roofline": {"tpot_s": 0.010, "ttft_s": 0.05}, "fraction_of_roofline_tpot": 1.25,
-           "fraction_of_roofline_ttft": 0.5, "achieved_gbps": 10.0, "fraction_of_copy_bandwidth": 0.1,
-           "prefill_tflops": 0.5, "prefill_fraction_of_matmul_peak": 0.5}
+    res = _gpu_latency_result()
     assert not any("devices" in line for line in latency_lines(res))
     res["split_roofline"] = {"devices": 2, "tpot_s": 0.005}
     res["fraction_of_split_roofline_tpot"] = 0.005 / 0.008
@@ -120,13 +125,7 @@ def test_expert_parallel_bound_waits_for_the_busiest_device():
     odd = dataclasses.replace(cfg, num_attention_heads=6, num_key_value_heads=2, head_dim=128, num_local_experts=8)
     assert "ep_tpot_s" not in roofline_bounds(odd, ceilings, 1, 512, 64, expert_parallel_size=4)
 
-    res = {"model": "m", "dtype": "float16", "batch_size": 1, "input_len": 8, "output_len": 4, "ceilings": CEILINGS,
-           "attention_backend": ["triton"], "cuda_graphs": True, "engine_init_s": 1.0, "graph_capture_s": 0.5,
-           "warmup_s": 1.0, "ttft_s": 0.1, "tpot_s": 0.008, "decode_tok_s": 125.0, "e2e_tok_s": 50.0,
-           "roofline": {"tpot_s": 0.010, "ttft_s": 0.05}, "fraction_of_roofline_tpot": 1.25,
-           "fraction_of_roofline_ttft": 0.5, "achieved_gbps": 10.0, "fraction_of_copy_bandwidth": 0.1,
-           "prefill_tflops": 0.5, "prefill_fraction_of_matmul_peak": 0.5,
-           "expert_parallel_roofline": {"devices": 2, "tpot_s": 0.006},
+    res = {**_gpu_latency_result(), "expert_parallel_roofline": {"devices": 2, "tpot_s": 0.006},
            "fraction_of_expert_parallel_roofline_tpot": 0.006 / 0.008}
     line = [x for x in latency_lines(res) if "experts split whole over 2 devices" in x]
     assert line and "75.0% reached" in line[0] and "6.00 ms" in line[0]
