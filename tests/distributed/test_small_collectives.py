@@ -104,3 +104,42 @@ def test_each_process_group_meets_its_peers_under_a_new_symmetric_memory_name(tm
             dist.destroy_process_group()
     assert group_names[0] == group_names[1]  # what PyTorch does: the same name for the second group
     assert names == [f"rooflm-a1b2-{group_names[0]}", f"rooflm-c3d4-{group_names[0]}"]
+
+
+class _FusingRecorder(_Recorder):
+    """Also stands in for the fused all-reduce + add + RMSNorm: answers for rows of 4 elements only."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 20)
+        self.fused: list[tuple[int, ...]] = []
+
+    def all_reduce_rms_norm(self, x, residual, weight, eps):
+        if x.shape[-1] != 4:
+            return None
+        self.fused.append(tuple(x.shape))
+        return x * 0 - 1, residual
+
+
+def test_the_reducing_norm_fuses_where_the_communicator_can_and_reduces_then_normalises_elsewhere(monkeypatch):
+    from rooflm.layers.custom_op import op_selection
+    from rooflm.layers.norm import AllReduceRMSNorm, RMSNorm, add_rms_norm
+
+    state = ps.ParallelState(2, 0, torch.device("cpu"), "gloo", None, None, one_shot=_FusingRecorder())
+    monkeypatch.setattr(ps, "_STATE", state)
+    with op_selection("cpu", ops="native"):
+        norms = {h: RMSNorm(h, 1e-6) for h in (4, 6)}
+    for norm in norms.values():
+        torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    with op_selection("cpu", ops="triton"):
+        ops = {h: AllReduceRMSNorm(norm) for h, norm in norms.items()}
+    x4, r4 = torch.randn(3, 4), torch.randn(3, 4)
+    out, res = ops[4](x4, r4)
+    assert torch.equal(out, -torch.ones(3, 4)) and res is r4 and state.one_shot.fused == [(3, 4)]
+    x6, r6 = torch.randn(3, 6), torch.randn(3, 6)
+    out, res = ops[6](x6, r6)  # declined: the one-shot all-reduce (the recorder doubles), then the norm
+    want, want_res = add_rms_norm(x6 * 2, r6, norms[6].weight, 1e-6)
+    assert torch.equal(out, want) and torch.equal(res, want_res) and state.one_shot.seen == [(3, 6)]
+    with op_selection("cpu", ops="native"):
+        native = AllReduceRMSNorm(norms[4])
+    out, _ = native(x4, r4)  # the reference path never fuses
+    assert torch.equal(out, add_rms_norm(x4 * 2, r4, norms[4].weight, 1e-6)[0]) and state.one_shot.fused == [(3, 4)]

@@ -89,3 +89,28 @@ def test_a_one_rank_engine_beside_a_tensor_parallel_one_is_whole(make_engine, ti
         while engine.has_unfinished_requests():
             outs += engine.step()
         assert len(outs[-1].outputs[0].token_ids) == 6
+
+
+@pytest.mark.parametrize("stubborn", [False, True])
+def test_shutdown_aborts_the_group_when_a_worker_had_to_be_killed(stubborn, monkeypatch, tmp_path):
+    """A worker that does not exit after the stop message is terminated; rank 0 then aborts its process group rather
+    than tearing it down cleanly, which would wait for the dead peer forever (NCCL). A worker that exits on its own
+    gets the clean teardown."""
+    import multiprocessing
+    import time
+
+    from rooflm.distributed import executor as ex
+    from rooflm.distributed import parallel_state as ps
+
+    teardown: list[str] = []
+    monkeypatch.setattr(ps, "destroy_distributed", lambda: teardown.append("destroy"))
+    monkeypatch.setattr(ps, "abandon_distributed", lambda: teardown.append("abandon"))
+    proc = multiprocessing.get_context("fork").Process(target=time.sleep if stubborn else int,
+                                                         args=(60,) if stubborn else ())
+    proc.start()
+    executor = object.__new__(ex.MultiprocExecutor)
+    executor.procs, executor.pipes, executor.error, executor._closed = [proc], [], None, False
+    executor._store_dir = str(tmp_path / "store")
+    executor.shutdown(timeout_s=0.2 if stubborn else 30.0)
+    assert proc.exitcode == (-signal.SIGTERM if stubborn else 0)
+    assert teardown == (["abandon"] if stubborn else ["destroy"])

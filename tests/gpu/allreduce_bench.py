@@ -55,7 +55,7 @@ def main() -> None:
     from rooflm.distributed.small_collectives import OneShotAllReduce, gather_by_sum
 
     impls = {}
-    for impl in ("torch", "triton"):
+    for impl in ("torch", "triton", "lamport"):
         os.environ["ROOFLM_TP_ALLREDUCE"] = impl
         impls[impl] = OneShotAllReduce.create(dist.group.WORLD, device)
         assert impls[impl] is not None, f"one-shot all-reduce ({impl}) could not be set up"
@@ -81,6 +81,29 @@ def main() -> None:
                 row[f"{impl}_equal_after_graphs"] = bool(torch.equal(ref, op(x)))
             except Exception as e:  # noqa: BLE001
                 row[f"{impl}_error"] = f"{type(e).__name__}: {e}"[:300]
+        rows.append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+    # the decoder layer's all-reduce + residual add + RMSNorm: the fused Lamport kernel against each all-reduce
+    # followed by the norm kernel (Llama-2-13B's hidden size; 1 and 32 rows)
+    from rooflm.kernels.rmsnorm import rms_norm
+
+    for rows_ in (1, 32):
+        g = torch.Generator(device=device).manual_seed(rank + 7)
+        x = torch.randn(rows_, 5120, device=device, dtype=torch.float16, generator=g)
+        same = torch.Generator(device=device).manual_seed(3)  # the residual and norm weight: the same on every rank
+        res = torch.randn(rows_, 5120, device=device, dtype=torch.float16, generator=same)
+        w = torch.rand(5120, device=device, dtype=torch.float16, generator=same)
+        row = {"fused_norm_rows": rows_}
+        fused = impls["lamport"].all_reduce_rms_norm(x, res, w, 1e-5)
+        ref_out, ref_res = rms_norm(impls["triton"](x), w, 1e-5, res)
+        row["fused_residual_equal"] = bool(torch.equal(fused[1], ref_res))
+        row["fused_out_max_diff"] = float((fused[0].float() - ref_out.float()).abs().max())
+        row["lamport_fused_graph_us"] = _graph_time(lambda: impls["lamport"].all_reduce_rms_norm(x, res, w, 1e-5),
+                                                    20, 20)
+        for impl in ("lamport", "triton"):
+            row[f"{impl}_then_norm_graph_us"] = _graph_time(lambda impl=impl: rms_norm(impls[impl](x), w, 1e-5, res),
+                                                            20, 20)
         rows.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)

@@ -148,3 +148,123 @@ def test_fused_layers_reject_mismatched_parts():
         RMSNormLinear(RMSNorm(32), Linear(16, 8))
     with pytest.raises(ValueError, match="act"):
         SiluAndMulLinear(RMSNorm(32), Linear(16, 8))
+
+
+@pytest.mark.parametrize("cfg_args", [(False, 16, 64), (False, 4, 64), (True, 16, 64), (True, 32, 32)])
+@pytest.mark.parametrize("d,k", [(64, 256), (50, 200)])  # even and uneven tiles
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_silu_mul_epilogue_equals_the_gemv_then_the_activation_kernel(device, cfg_args, d, k, dtype):
+    """The epilogue pairs gate row n with up row n in one program; each row's sum is the plain GEMV's, so the result
+    must equal the GEMV followed by the activation kernel bit for bit (and the float64 reference closely)."""
+    from rooflm.kernels.activation import silu_and_mul, silu_and_mul_ref
+    from rooflm.kernels.fused_gemv import gemv_silu_mul, rmsnorm_gemv
+    from rooflm.kernels.gemv import GemvConfig, gemv
+
+    cfg = GemvConfig(*cfg_args)
+    g = torch.Generator().manual_seed(d + k)
+    for m in ([1] if not cfg.use_dot else [1, 3, 16]):
+        for bias in (False, True):
+            x = torch.randn(m, k, generator=g).to(dtype).to(device)
+            w = (2 * torch.randn(2 * d, k, generator=g) / k**0.5).to(dtype).to(device)
+            b = torch.randn(2 * d, generator=g).to(dtype).to(device) if bias else None
+            got = gemv_silu_mul(x, w, b, cfg)
+            assert got.shape == (m, d)
+            assert torch.equal(got, silu_and_mul(gemv(x, w, b, cfg))), (cfg, m, bias)
+            ref = silu_and_mul_ref(torch.nn.functional.linear(x.double(), w.double(), None if b is None
+                                                              else b.double()).to(dtype))
+            torch.testing.assert_close(got, ref, atol=0.05, rtol=0.05)
+    if not cfg.use_dot:  # with the one-pass norm prologue too (one row): the fused norm GEMV, then the activation
+        x, r = (torch.randn(1, k, generator=g).to(dtype).to(device) for _ in range(2))
+        nw = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype).to(device)
+        w = (torch.randn(2 * d, k, generator=g) / k**0.5).to(dtype).to(device)
+        for one_pass in (True, False):
+            got, res = rmsnorm_gemv(x, nw, 1e-5, w, None, cfg, r, one_pass=one_pass, silu_mul=True)
+            plain, plain_res = rmsnorm_gemv(x, nw, 1e-5, w, None, cfg, r, one_pass=one_pass)
+            assert torch.equal(got, silu_and_mul(plain)) and torch.equal(res, plain_res)
+
+
+def test_silu_mul_epilogue_refuses_what_it_cannot_pair(device):
+    from rooflm.kernels.fused_gemv import gemv_silu_mul
+    from rooflm.kernels.gemv import GemvConfig
+
+    x = torch.randn(1, 32, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match="even"):
+        gemv_silu_mul(x, torch.randn(15, 32, dtype=torch.float16, device=device), None, GemvConfig(False, 16, 32))
+    with pytest.raises(ValueError, match="one K split"):
+        gemv_silu_mul(x, torch.randn(16, 32, dtype=torch.float16, device=device), None, GemvConfig(False, 16, 32, 2))
+
+
+def test_norm_to_activation_in_one_gemv_matches_the_parts(device):
+    """RMSNormLinear.norm_gemv_silu_mul (one row: add + norm + [gate | up] projection + SiLU-and-mul in one launch)
+    against the reference modules in turn; it declines what it does not take, so the caller runs the parts."""
+    from rooflm.kernels.activation import silu_and_mul_ref
+    from rooflm.layers.custom_op import select_ops
+
+    norm, proj, _, _, fused_norm, _ = _layers(device, torch.float16, False, "triton")
+    g = torch.Generator().manual_seed(11)
+    x, r = (torch.randn(1, 64, generator=g).half().to(device) for _ in range(2))
+    act, res = fused_norm.norm_gemv_silu_mul(x, r)
+    assert fused_norm.norm_gemv_silu_mul(x.repeat(5, 1), r.repeat(5, 1)) is None  # one row only
+    assert fused_norm.norm_gemv_silu_mul(x, None) is None
+    for m in (norm, proj, fused_norm):
+        select_ops(m, "native", device)
+    h, want_res = norm(x, r)
+    assert torch.equal(res, want_res) and act.shape == (1, 24)
+    # one-pass norm: about one rounding of the dtype from the unfused norm (see fused_gemv.py), then the activation
+    torch.testing.assert_close(act, silu_and_mul_ref(proj(h)), atol=1e-2, rtol=1e-2)
+    assert fused_norm.norm_gemv_silu_mul(x, r) is None  # the reference path never fuses
+
+
+@pytest.mark.parametrize("seqs", [1, 3])
+def test_a_decode_step_runs_the_mlp_activation_inside_the_gate_up_gemv(device, seqs, monkeypatch):
+    """A tiny float16 Llama on the Triton path: at one row every layer runs norm -> gate_up -> SiLU-and-mul as one
+    GEMV, at three rows the activation rides in gate_up's GEMV; the logits match the reference selection."""
+    import rooflm.kernels.fused_gemv as fg
+    from rooflm.attention.metadata_utils import allocate_kv_caches, build_attention_metadata
+    from rooflm.config import ModelConfig
+    from rooflm.layers.custom_op import op_selection, select_ops
+    from rooflm.loader.dummy import init_dummy_weights
+    from rooflm.models import get_model_class
+
+    cfg = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96,
+                                    "hidden_size": 64, "intermediate_size": 48, "num_hidden_layers": 2,
+                                    "num_attention_heads": 4, "num_key_value_heads": 2})
+    with torch.device(device), op_selection(device, ops="triton"):
+        model = get_model_class(cfg)(cfg).half()
+    init_dummy_weights(model, seed=4, std=0.1)
+    calls = {"norm_act": 0, "act": 0}
+
+    def spy(name, fn):
+        def wrapped(*a, **k):
+            if name == "act" or k.get("silu_mul"):
+                calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setenv("ROOFLM_FUSED_GEMV", "on")  # on a GPU: fused whatever the timing of these tiny shapes
+    monkeypatch.setattr(fg, "_choices", {})
+    monkeypatch.setattr(fg, "rmsnorm_gemv", spy("norm_act", fg.rmsnorm_gemv))
+    monkeypatch.setattr(fg, "gemv_silu_mul", spy("act", fg.gemv_silu_mul))
+    caches = allocate_kv_caches(2, 8, 4, 2, 16, torch.float16, device)  # block size 4: 4 tokens per sequence
+    tables = [[i] for i in range(seqs)]
+    g = torch.Generator().manual_seed(seqs)
+    logits = []
+    for m in (None, "native"):
+        if m:
+            select_ops(model, m, device)
+        done = [0] * seqs
+        for step, new in enumerate(([2] * seqs, [1] * seqs, [1] * seqs)):  # a short prefill, two decode steps
+            if step == 2 and m is None:
+                calls.update(norm_act=0, act=0)  # count the Triton path's second decode step only (on a GPU the
+                # first one times its candidates through the same functions)
+            meta, pos = build_attention_metadata(tables, done, new, 4, device)
+            ids = torch.randint(0, 96, (sum(new),), generator=g).to(device)
+            with torch.no_grad():
+                out = model.compute_logits(model(ids, pos, caches, meta))
+            done = [d + n for d, n in zip(done, new)]
+        logits.append(out)
+        g = torch.Generator().manual_seed(seqs)
+        if m is None:
+            decode_calls = dict(calls)
+    assert decode_calls == ({"norm_act": 2, "act": 0} if seqs == 1 else {"norm_act": 0, "act": 2})
+    torch.testing.assert_close(logits[0], logits[1], atol=2e-2, rtol=2e-2)

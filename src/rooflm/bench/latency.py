@@ -311,6 +311,10 @@ def run(args: argparse.Namespace) -> int:
 
         res["gemv_choices"] = {f"M<={k[0]} N={k[1]} K={k[2]}": (v if isinstance(v, str) else gemv._short(v))
                                for k, v in gemv.choices().items()}
+        from rooflm.kernels import fused_gemv  # which fused projections were measured faster than their parts
+
+        res["fused_gemv_choices"] = {f"{k[0]} M={k[1]} N={k[2]} K={k[3]}": fused_gemv._name(v)
+                                     for k, v in fused_gemv.choices().items()}
     except Exception:  # noqa: BLE001 - triton missing: nothing to report
         pass
 

@@ -238,17 +238,22 @@ class MultiprocExecutor:
             pipe.close()
         for p in self.procs:
             p.join(timeout_s if self.error is None else 1.0)  # after a failure a worker may be inside a collective
-        for p in self.procs:
+        stopped = []
+        for rank, p in enumerate(self.procs, start=1):
             if p.exitcode is None:
+                stopped.append(rank)
                 p.terminate()
                 p.join(5.0)
             if p.exitcode is None:
                 p.kill()
                 p.join()
-        if self.error is None:
+        if stopped:
+            logger.warning("worker rank(s) %s did not exit within %.0f s of the stop message and were terminated",
+                           stopped, timeout_s)
+        if self.error is None and all(p.exitcode == 0 for p in self.procs):
             ps.destroy_distributed()
         else:
-            ps.abandon_distributed()  # a peer is gone: a collective teardown could wait for it
+            ps.abandon_distributed()  # a peer is gone (failed, or stopped by a signal): a clean teardown would wait
         shutil.rmtree(self._store_dir, ignore_errors=True)
         _LIVE.discard(self)
 

@@ -222,6 +222,17 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def tp_all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rms_norm(s) * weight, s) with s = ``tp_all_reduce(x) + residual``, in one kernel where the one-shot path
+    takes ``x`` (16-bit decode rows, ``OneShotAllReduce.all_reduce_rms_norm``); None otherwise: the caller reduces,
+    then normalises."""
+    if _STATE is None or _STATE.tp_size == 1 or _STATE.one_shot is None:
+        return None
+    fused = getattr(_STATE.one_shot, "all_reduce_rms_norm", None)
+    return fused(x, residual, weight, eps) if fused is not None else None
+
+
 def tp_all_gather(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     """Concatenate each rank's ``x`` along the last dimension; ``sizes`` lists every rank's width there (they may
     differ by one when a dimension does not split evenly: the narrow shards are padded for the collective and the

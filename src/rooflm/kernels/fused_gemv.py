@@ -21,6 +21,13 @@
 #     K split), into a fresh buffer that no program of the launch reads.
 #   * silu_mul_gemv: silu(gate) * up before down_proj. Programs read their K range of [gate | up] and feed
 #     (silu(gate) rounded) * up rounded, the roundings of ``rooflm/kernels/activation.py``; split-K works unchanged.
+#   * gemv_silu_mul: the same activation as the EPILOGUE of gate_up_proj (``EPI_SILU_MUL`` in gemv.py): each program
+#     streams rows of gate and the same rows of up, so it holds both sums of an output column and stores
+#     silu(gate) * up; the GEMV streams exactly the bytes it streams unfused, and the activation's launch and the
+#     [M, 2 x intermediate] round trip disappear. Its results equal the GEMV followed by the activation kernel bit
+#     for bit. With the norm prologue too (``rmsnorm_gemv(..., silu_mul=True)``) the whole post-attention block up
+#     to down_proj is one launch. On an H100 (Llama-2-7B and 13B) the epilogue was picked at one row and at 2-8
+#     rows; the variant with the norm as well tied with the norm kernel before it.
 #
 # Which configuration runs, and whether fusing pays at all for a shape, is measured on the running device the first
 # time a shape is seen, like ``gemv.linear``: each fused candidate against the unfused pair (the elementwise kernel
@@ -43,9 +50,8 @@ import torch
 
 from rooflm.kernels._utils import interpreting
 from rooflm.kernels.gemv import (
-    CANDIDATES, MAX_M, PRO_RMSNORM, PRO_RMSNORM_ONE_PASS, PRO_SILU_MUL, GemvConfig, _short, check_weight,
-    launch_gemv,
-    time_in_graph, weight_copies,
+    CANDIDATES, EPI_NONE, EPI_SILU_MUL, MAX_M, PRO_NONE, PRO_RMSNORM, PRO_RMSNORM_ONE_PASS, PRO_SILU_MUL, GemvConfig,
+    _short, check_weight, launch_gemv, time_in_graph, weight_copies,
 )
 
 
@@ -67,10 +73,12 @@ def rmsnorm_gemv(
     cfg: GemvConfig,
     residual: torch.Tensor | None = None,  # [M, K]
     one_pass: bool = False,
+    silu_mul: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) @ weight.T + bias, x + residual) in one launch (plus the split-K reduction when
     cfg splits K). Without residual: (rms_norm(x) @ weight.T + bias, x). ``one_pass``: the single-pass variant (see
-    the top of this file), for one row and a GEMV configuration without tl.dot or split-K."""
+    the top of this file), for one row and a GEMV configuration without tl.dot or split-K. ``silu_mul``: weight is
+    [gate | up] and the first result is silu(gate) * up of the product (the epilogue; one K split)."""
     K = x.shape[-1] if x.dim() == 2 else -1
     _rows("x", x, K)
     if residual is not None:
@@ -87,8 +95,23 @@ def rmsnorm_gemv(
                          f"M={x.shape[0]}")
     res_out = torch.empty_like(x) if residual is not None else None
     out = launch_gemv(x, K, weight, bias, cfg, PRO_RMSNORM_ONE_PASS if one_pass else PRO_RMSNORM, residual,
-                      norm_weight.contiguous(), eps, res_out)
+                      norm_weight.contiguous(), eps, res_out, epilogue=EPI_SILU_MUL if silu_mul else EPI_NONE)
     return out, (res_out if res_out is not None else x)
+
+
+def gemv_silu_mul(
+    x: torch.Tensor,  # [M, K], M <= 16
+    weight: torch.Tensor,  # [2 * d, K]: [gate | up] rows
+    bias: torch.Tensor | None,  # [2 * d] or None
+    cfg: GemvConfig,
+) -> torch.Tensor:
+    """silu(gate) * up of [gate | up] = x @ weight.T + bias, in one launch (the SiLU-and-mul epilogue): [M, d]."""
+    K = x.shape[-1] if x.dim() == 2 else -1
+    _rows("x", x, K)
+    check_weight(weight, K, x.shape)
+    if not cfg.supports(x.shape[0]):
+        raise ValueError(f"{cfg} does not support M={x.shape[0]}")
+    return launch_gemv(x, K, weight, bias, cfg, PRO_NONE, epilogue=EPI_SILU_MUL)
 
 
 def silu_mul_gemv(
@@ -119,6 +142,13 @@ def rmsnorm_gemv_ref(x, norm_weight, eps, weight, bias=None, residual=None):
     return torch.nn.functional.linear(h, weight, bias), res
 
 
+def gemv_silu_mul_ref(x, weight, bias=None):
+    """The twin: torch's linear, then the unfused activation's reference."""
+    from rooflm.kernels.activation import silu_and_mul_ref
+
+    return silu_and_mul_ref(torch.nn.functional.linear(x, weight, bias))
+
+
 def silu_mul_gemv_ref(gate_up, weight, bias=None):
     from rooflm.kernels.activation import silu_and_mul_ref
 
@@ -132,7 +162,11 @@ _choices: dict[tuple, object] = {}
 # CPU tests under the interpreter: small tiles, no timing; (configuration, one_pass) for the norm
 INTERPRETER_PICKS = {("rmsnorm", False): (GemvConfig(False, 16, 64), True),
                      ("rmsnorm", True): (GemvConfig(True, 16, 64), False),
-                     ("silu_mul", False): GemvConfig(False, 16, 64), ("silu_mul", True): GemvConfig(True, 16, 64)}
+                     ("silu_mul", False): GemvConfig(False, 16, 64), ("silu_mul", True): GemvConfig(True, 16, 64),
+                     ("gemv_silu_mul", False): GemvConfig(False, 16, 64),
+                     ("gemv_silu_mul", True): GemvConfig(True, 16, 64),
+                     ("rmsnorm_silu_mul", False): (GemvConfig(False, 16, 64), True),
+                     ("rmsnorm_silu_mul", True): (GemvConfig(True, 16, 64), False)}
 FUSED_MAX_M = 1  # see the top of this file: above one row the unfused pair was faster
 
 
@@ -150,7 +184,8 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and (x.is_cuda or interpreting()))
 
 
-def _pick(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, variants, make_calls):
+def _pick(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, variants, make_calls,
+          max_m: int = FUSED_MAX_M):
     """The fastest of the unfused pair (None) and every fused variant for this shape (cached). ``variants(mode)``:
     the fused candidates for ``fused_gemv_mode()`` (each run by ``fused(variant, xs, w)``); ``make_calls()`` returns
     (fused, unfused), called only when a shape is timed; ``unfused(xs, w)`` runs the pair on ``xs`` (random rows like
@@ -160,7 +195,7 @@ def _pick(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     M = x.shape[0]
     if interpreting():
         return INTERPRETER_PICKS[(kind, M > 1)]
-    if M > FUSED_MAX_M:
+    if M > max_m:
         return None
     key = (kind, M, weight.shape[0], weight.shape[1], x.dtype, bias is not None, x.device)
     if key in _choices:
@@ -253,6 +288,75 @@ def pick_silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.
         return _row_configs() if mode == "on" else []
 
     return _pick("silu_mul", gate_up, weight, bias, variants, make_calls)
+
+
+def pick_gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
+    """The configuration to run ``gemv_silu_mul`` with for rows like x ([M, K], M <= 16) and a [gate | up] weight,
+    or None where the GEMV followed by the activation kernel is faster (or the inputs do not suit the kernel).
+    Unlike the prologue fusions this one costs the GEMV nothing (it streams the same rows, paired differently), so
+    it is timed at every row count up to 16."""
+
+    def make_calls():
+        from rooflm.kernels.activation import silu_and_mul
+        from rooflm.kernels.gemv import linear
+
+        def fused(cfg, xs, w):
+            return gemv_silu_mul(xs, w, bias, cfg)
+
+        def unfused(xs, w):
+            return silu_and_mul(linear(xs, w, bias))
+
+        return fused, unfused
+
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1] or weight.shape[0] % 2:
+        return None
+
+    def variants(mode: str) -> list[GemvConfig]:
+        return [c for c in CANDIDATES if c.split_k == 1 and c.supports(x.shape[0])]
+
+    return _pick("gemv_silu_mul", x, weight, bias, variants, make_calls, max_m=MAX_M)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """silu(gate) * up of x @ weight.T + bias through whatever ``pick_gemv_silu_mul`` chose (its unfused pair where
+    it chose none)."""
+    cfg = pick_gemv_silu_mul(x, weight, bias)
+    if cfg is not None:
+        return gemv_silu_mul(x, weight, bias, cfg)
+    from rooflm.kernels.activation import silu_and_mul
+    from rooflm.kernels.gemv import linear
+
+    return silu_and_mul(linear(x, weight, bias))
+
+
+def pick_rmsnorm_gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                               eps: float = 1e-6) -> tuple[GemvConfig, bool] | None:
+    """(configuration, one_pass) for ``rmsnorm_gemv(..., silu_mul=True)`` on rows like x and a [gate | up] weight:
+    add + RMSNorm, the projection and SiLU-and-mul in one launch; None where the norm kernel followed by
+    ``linear_silu_mul`` is faster."""
+
+    def make_calls():
+        from rooflm.kernels.rmsnorm import rms_norm
+
+        nw = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+        res = torch.randn(MAX_M, x.shape[-1], dtype=x.dtype, device=x.device)
+
+        def fused(v, xs, w):
+            return rmsnorm_gemv(xs, nw, eps, w, bias, v[0], res[: xs.shape[0]], one_pass=v[1], silu_mul=True)
+
+        def unfused(xs, w):
+            h, _ = rms_norm(xs, nw, eps, res[: xs.shape[0]])
+            return linear_silu_mul(h, w, bias)
+
+        return fused, unfused
+
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1] or weight.shape[0] % 2:
+        return None
+
+    def variants(mode: str) -> list[tuple[GemvConfig, bool]]:
+        return [(c, True) for c in _row_configs()]
+
+    return _pick("rmsnorm_silu_mul", x, weight, bias, variants, make_calls)
 
 
 def choices() -> dict[tuple, object]:

@@ -36,6 +36,10 @@ PRO_NONE = 0  # x as it is
 PRO_RMSNORM = 1  # rms_norm(x [+ residual]) * norm_weight, in the roundings of rooflm/kernels/rmsnorm.py
 PRO_SILU_MUL = 2  # silu(gate) * up of a [gate | up] row, in the roundings of rooflm/kernels/activation.py
 PRO_RMSNORM_ONE_PASS = 3  # M == 1, one K split: sum(W * (x [+ residual]) * norm_weight) * rstd, in float32
+# ... and what it does with its sums before it stores them (an "epilogue"):
+EPI_NONE = 0
+EPI_SILU_MUL = 1  # W is [gate | up] (2N rows): each program takes N-rows of gate and the same rows of up, stores
+                  # silu(gate) * up [M, N] with the roundings of rooflm/kernels/activation.py; one K split only
 
 
 @triton.jit
@@ -83,6 +87,26 @@ def _input_tile(x_ptr, r_ptr, nw_ptr, xo, ro, offs_k, mask, mask_k, rstd, up_off
     return v
 
 
+@triton.jit
+def _silu_mul_pairs(g, u, out_ptr):
+    """silu(gate) * up from float32 sums, each rounded to the output dtype first (as the unfused pair rounds them)."""
+    dt = out_ptr.dtype.element_ty
+    gf = g.to(dt).to(tl.float32)
+    a = (gf / (1.0 + tl.exp(-gf))).to(dt)
+    return (a.to(tl.float32) * u.to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
+def _store_row(out_ptr, acc, offs_n, mask_n, pid_n, N, BLOCK_N: tl.constexpr, EPI: tl.constexpr):
+    """One row's BLOCK_N sums: stored as they are, or (EPI 1) as silu(gate) * up of their interleaved pairs."""
+    if EPI == 1:
+        g, u = tl.split(tl.reshape(acc, [BLOCK_N // 2, 2]))
+        oc = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + oc, _silu_mul_pairs(g, u, out_ptr), mask=oc < N)
+    else:
+        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
@@ -93,12 +117,18 @@ def _gemv_kernel(
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
-    PRO: tl.constexpr = 0, HAS_RES: tl.constexpr = False, WRITE_RES: tl.constexpr = False,
+    PRO: tl.constexpr = 0, HAS_RES: tl.constexpr = False, WRITE_RES: tl.constexpr = False, EPI: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    if EPI == 1:  # row j of the program: gate row (or, odd j, up row) of output column offs_o
+        j = tl.arange(0, BLOCK_N)
+        offs_o = pid_n * (BLOCK_N // 2) + j // 2
+        offs_n = offs_o + (j % 2) * N
+        mask_n = offs_o < N
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     offs_kb = tl.arange(0, BLOCK_K)
@@ -158,8 +188,14 @@ def _gemv_kernel(
             acc += dot(x, tl.trans(w), DOT_UPCAST)
         if HAS_BIAS and SPLIT == 1:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        o = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        if EPI == 1:
+            g, u = tl.split(tl.reshape(acc, [16, BLOCK_N // 2, 2]))
+            oc = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(out_ptr + offs_m[:, None] * stride_om + oc[None, :], _silu_mul_pairs(g, u, out_ptr),
+                     mask=mask_m[:, None] & (oc < N)[None, :])
+        else:
+            o = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+            tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
     elif PRO == 3:  # M == 1, SPLIT == 1: the statistic gathered in the same pass, 1/rms applied to the sums
         first = (offs_kb * 0 + pid_n) == 0
         ss = tl.zeros([BLOCK_K], tl.float32)
@@ -186,7 +222,7 @@ def _gemv_kernel(
         acc = tl.sum(acc2, 1) * tl.rsqrt(tl.sum(ss, 0) / K + eps)
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+        _store_row(out_ptr, acc, offs_n, mask_n, pid_n, N, BLOCK_N, EPI)
     else:  # M == 1
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -208,7 +244,7 @@ def _gemv_kernel(
         acc = tl.sum(acc2, 1)
         if HAS_BIAS and SPLIT == 1:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        tl.store(out_ptr + pid_k * stride_os + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+        _store_row(out_ptr + pid_k * stride_os, acc, offs_n, mask_n, pid_n, N, BLOCK_N, EPI)
 
 
 @triton.jit
@@ -277,12 +313,19 @@ def check_weight(weight: torch.Tensor, K: int, x_shape) -> None:
 def launch_gemv(
     x2: torch.Tensor, K: int, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
     prologue: int = PRO_NONE, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0, residual_out: torch.Tensor | None = None, up_offset: int = 0,
+    eps: float = 0.0, residual_out: torch.Tensor | None = None, up_offset: int = 0, epilogue: int = EPI_NONE,
 ) -> torch.Tensor:
     """The launch behind ``gemv`` and the fused projections: x2 [M, *] row-major in its last dim, the product over
-    its first K columns (after ``prologue``). Callers check shapes. Returns out [M, N]."""
+    its first K columns (after ``prologue``), then ``epilogue``. Callers check shapes. Returns out [M, N] (N: the
+    weight's rows, half of them under ``EPI_SILU_MUL``)."""
     M = x2.shape[0]
     N = weight.shape[0]
+    rows_per_program = cfg.block_n
+    if epilogue == EPI_SILU_MUL:
+        if N % 2 or cfg.block_n < 2 or cfg.split_k != 1:
+            raise ValueError(f"the SiLU-and-mul epilogue needs an even [gate | up] weight and one K split; got "
+                             f"{N} rows, {cfg}")
+        N, rows_per_program = N // 2, cfg.block_n // 2
     out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     k_tiles = triton.cdiv(K, cfg.block_k)
     split = max(1, min(cfg.split_k, k_tiles))
@@ -298,12 +341,12 @@ def launch_gemv(
     r = residual if residual is not None else x2
     ro = residual_out if residual_out is not None else x2
     nw = norm_weight if norm_weight is not None else weight
-    _gemv_kernel[(triton.cdiv(N, cfg.block_n), split)](
+    _gemv_kernel[(triton.cdiv(N, rows_per_program), split)](
         x2, weight, b, dst, M, N, K, k_per_split, x2.stride(0), weight.stride(0), dst.stride(-2), stride_s,
         r, nw, ro, r.stride(0), ro.stride(0), float(eps), up_offset,
-        HAS_BIAS=bias is not None, SPLIT=split, USE_DOT=cfg.use_dot, EVEN_N=N % cfg.block_n == 0, EVEN_K=even_k,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_UPCAST=dot_upcast(x2.dtype),
-        PRO=prologue, HAS_RES=residual is not None, WRITE_RES=residual_out is not None,
+        HAS_BIAS=bias is not None, SPLIT=split, USE_DOT=cfg.use_dot, EVEN_N=N % rows_per_program == 0,
+        EVEN_K=even_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_UPCAST=dot_upcast(x2.dtype),
+        PRO=prologue, HAS_RES=residual is not None, WRITE_RES=residual_out is not None, EPI=epilogue,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rooflm.distributed.parallel_state import tp_all_reduce, tp_all_reduce_rms_norm
 from rooflm.kernels.cpu_native.ops import rms_norm as native_rms_norm
 from rooflm.layers.custom_op import TRITON, CustomOp, OpSelection
 from rooflm.layers.linear import GEMV_MAX_ROWS, Linear, fused_gemv_allowed_by_env
@@ -126,5 +127,47 @@ class RMSNormLinear(CustomOp):
                 return rmsnorm_gemv(x, norm.weight, norm.eps, proj.weight, proj.bias, cfg, residual, one_pass)
         return self.forward_native(x, residual)  # the two modules, each on the path it chose
 
+    def norm_gemv_silu_mul(self, x: torch.Tensor,
+                           residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(silu(gate) * up of proj(norm(x + residual)), x + residual) in one GEMV launch (``proj``: a [gate | up]
+        projection), where the Triton path runs one row with a float weight and that was measured faster than the
+        norm kernel followed by the projection with its activation; None otherwise (the caller runs the parts)."""
+        norm, proj = self._parts
+        if not (self.fuse and not proj.quantized and not proj.fp8_tensor_cores and x.dim() == 2 and x.shape[0] == 1
+                and residual is not None and residual.shape == x.shape):
+            return None
+        from rooflm.kernels.fused_gemv import pick_rmsnorm_gemv_silu_mul, rmsnorm_gemv
+
+        pick = pick_rmsnorm_gemv_silu_mul(x, proj.weight, proj.bias, norm.eps)
+        if pick is None:
+            return None
+        cfg, one_pass = pick
+        return rmsnorm_gemv(x, norm.weight, norm.eps, proj.weight, proj.bias, cfg, residual, one_pass, silu_mul=True)
+
     def extra_repr(self) -> str:
         return f"fuse={getattr(self, 'fuse', False)}, impl={self.impl}"
+
+
+class AllReduceRMSNorm(CustomOp):
+    """``norm(all_reduce(x) + residual)`` over the tensor-parallel group: returns (that, all_reduce(x) + residual).
+
+    Under tensor parallelism a decoder layer's attention and MLP outputs are partial sums (row-parallel
+    projections) that the next norm needs whole. The reference path all-reduces, then calls the norm; the Triton
+    path does the all-reduce, the add and the norm in one kernel where the one-shot communicator takes the rows
+    (``rooflm/kernels/lamport_all_reduce.py``; TensorRT-LLM fuses the same three), else the same two steps. Built
+    over an existing ``RMSNorm``, which keeps its parameter (this op registers none)."""
+
+    def __init__(self, norm: RMSNorm) -> None:
+        super().__init__()
+        self._parts = (norm,)  # a plain tuple: not a submodule, so no second name for its parameter
+
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._parts[0](tp_all_reduce(x), residual)
+
+    def forward_cuda(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        norm = self._parts[0]
+        fused = tp_all_reduce_rms_norm(x, residual, norm.weight, norm.eps)
+        return fused if fused is not None else self.forward_native(x, residual)
+
+    def extra_repr(self) -> str:
+        return f"impl={self.impl}"

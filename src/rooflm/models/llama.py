@@ -33,11 +33,11 @@ from rooflm.distributed.parallel_state import (get_ep_size, get_pp_rank, get_pp_
 from rooflm.distributed.pipeline import (MissingLayer, pp_layer_range, receive_activations, send_activations,
                                          share_logits)
 from rooflm.distributed.partition import Shard, check_tensor_parallel, head_shard, narrow_weight, shard_range
-from rooflm.layers.activation import SiluAndMulLinear, get_gated_activation
+from rooflm.layers.activation import SiluAndMul, SiluAndMulLinear, get_gated_activation
 from rooflm.layers.attention import Attention
 from rooflm.layers.embedding import LMHead, VocabEmbedding
-from rooflm.layers.linear import Linear
-from rooflm.layers.norm import RMSNorm, RMSNormLinear
+from rooflm.layers.linear import GEMV_MAX_ROWS, Linear
+from rooflm.layers.norm import AllReduceRMSNorm, RMSNorm, RMSNormLinear
 from rooflm.layers.rotary import RotaryEmbedding
 from rooflm.models.cpu_lean import lean_plan, run_lean_layers
 from rooflm.models.weights import WeightTarget, load_named_weights, rows
@@ -70,6 +70,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias and cfg.model_type == "llama")
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               sliding_window=layer_sliding_window(cfg, layer_idx))
+        # False: return this rank's partial sum (the decoder layer's next norm sums it over the ranks)
+        self.reduce_output = True
 
     def forward(
         self,
@@ -96,7 +98,7 @@ class LlamaAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         # The backend rotates q, k, writes k, v into the paged cache, then attends over the cache.
         out = self.o_proj(self.attn(q, k, v, cos, sin, kv_cache, meta))
-        return tp_all_reduce(out) if self.tp_size > 1 else out
+        return tp_all_reduce(out) if self.tp_size > 1 and self.reduce_output else out
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         """HF names ``{prefix}.q_proj.weight`` etc. -> row ranges of the fused qkv_proj."""
@@ -133,14 +135,42 @@ class LlamaMLP(nn.Module):
         self.act_and_mul = get_gated_activation(cfg.hidden_act)
         # down_proj(act_and_mul(.)); on the Triton path one GEMV at decode sizes
         self.act_down = SiluAndMulLinear(self.act_and_mul, self.down_proj)
+        self.reduce_output = True  # False: return this rank's partial sum (as LlamaAttention's)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down(self.gate_up_proj(x))  # via [T, 2 * intermediate]
+        act = self.gate_up_act(x)
+        return self.project(act) if act is not None else self.down(self.gate_up_proj(x))  # via [T, 2 * inter]
+
+    def gate_up_act_config(self, x: torch.Tensor):
+        """The GEMV configuration that computes act(gate) * up of gate_up_proj(x) with the activation as its
+        epilogue, where the Triton path takes the rows (decode sizes, a float weight) and that was measured faster
+        than the GEMV followed by the activation kernel; None otherwise."""
+        proj = self.gate_up_proj
+        if not (self.act_down.fuse and isinstance(self.act_and_mul, SiluAndMul) and not proj.quantized
+                and not proj.fp8_tensor_cores and x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS):
+            return None
+        from rooflm.kernels.fused_gemv import pick_gemv_silu_mul
+
+        return pick_gemv_silu_mul(x, proj.weight, proj.bias)
+
+    def gate_up_act(self, x: torch.Tensor) -> torch.Tensor | None:
+        """act(gate) * up from one GEMV (see ``gate_up_act_config``); None where that does not apply."""
+        cfg = self.gate_up_act_config(x)
+        if cfg is None:
+            return None
+        from rooflm.kernels.fused_gemv import gemv_silu_mul
+
+        return gemv_silu_mul(x, self.gate_up_proj.weight, self.gate_up_proj.bias, cfg)
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """act(gate) * up, projected down; summed over the tensor-parallel ranks (row-parallel down_proj)."""
         out = self.act_down(gate_up)
-        return tp_all_reduce(out) if self.tp_size > 1 else out
+        return tp_all_reduce(out) if self.tp_size > 1 and self.reduce_output else out
+
+    def project(self, act: torch.Tensor) -> torch.Tensor:
+        """``down`` of an input already through the activation."""
+        out = self.down_proj(act)
+        return tp_all_reduce(out) if self.tp_size > 1 and self.reduce_output else out
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         size, tp = self.intermediate_size, self.tp_size > 1
@@ -158,7 +188,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block. The residual stream travels beside the hidden states so each norm can fuse the add before it:
     the layer returns (mlp output, residual) and the NEXT norm adds them. Each norm is called together with the
-    projection after it (``RMSNormLinear``), which the Triton path runs as one GEMV at decode sizes."""
+    projection after it (``RMSNormLinear``), which the Triton path runs as one GEMV at decode sizes.
+
+    Under tensor parallelism the attention and MLP outputs stay partial sums and each norm after them sums them over
+    the ranks (``AllReduceRMSNorm``: all-reduce, add and norm in one kernel on the GPU): the layer's input is partial
+    whenever ``residual`` is given (the previous layer's output, or the previous pipeline stage's), and the model's
+    final norm sums the last layer's. Only the embeddings (``residual`` None) arrive whole."""
 
     mlp_prefix = "mlp"  # the HF module name of the feed-forward block
 
@@ -172,6 +207,11 @@ class LlamaDecoderLayer(nn.Module):
         # a dense SwiGLU MLP starts with gate_up_proj; another feed-forward block (Mixtral's MoE) takes the norm alone
         self.mlp_norm_gate_up = (RMSNormLinear(self.post_attention_layernorm, self.mlp.gate_up_proj)
                                  if isinstance(self.mlp, LlamaMLP) else None)
+        self.tp = get_tp_size() > 1
+        if self.tp:
+            self.self_attn.reduce_output = self.mlp.reduce_output = False
+            self.reduce_input_norm = AllReduceRMSNorm(self.input_layernorm)
+            self.reduce_post_attention_norm = AllReduceRMSNorm(self.post_attention_layernorm)
 
     def make_mlp(self, cfg: ModelConfig) -> nn.Module:
         return LlamaMLP(cfg)
@@ -185,13 +225,30 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.tp:
+            return self._forward_tp(hidden, residual, cos, sin, kv_cache, meta)
         qkv, residual = self.attn_norm_qkv(hidden, residual)  # residual None (first layer): the embeddings
         hidden = self.self_attn.attend(qkv, cos, sin, kv_cache, meta)
         if self.mlp_norm_gate_up is not None:
-            gate_up, residual = self.mlp_norm_gate_up(hidden, residual)
-            return self.mlp.down(gate_up), residual
+            fused = self.mlp_norm_gate_up.norm_gemv_silu_mul(hidden, residual)  # one row: norm to activation
+            if fused is not None:
+                return self.mlp.project(fused[0]), fused[1]
+            if self.mlp.gate_up_act_config(hidden) is None:  # no activation in gate_up's GEMV: RMSNormLinear's
+                gate_up, residual = self.mlp_norm_gate_up(hidden, residual)  # choice (maybe the norm in it)
+                return self.mlp.down(gate_up), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def _forward_tp(self, hidden, residual, cos, sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` on one tensor-parallel rank: partial sums in and out (see the class docstring)."""
+        if residual is None:  # the embeddings, already whole
+            qkv, residual = self.attn_norm_qkv(hidden, None)
+        else:
+            h, residual = self.reduce_input_norm(hidden, residual)
+            qkv = self.self_attn.qkv_proj(h)
+        partial = self.self_attn.attend(qkv, cos, sin, kv_cache, meta)
+        h, residual = self.reduce_post_attention_norm(partial, residual)
+        return self.mlp(h), residual
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         t = {
@@ -220,6 +277,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(cfg, i) if self.start_layer <= i < self.end_layer
                                     else MissingLayer() for i in range(n))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # under tensor parallelism the last layer's output is a partial sum (see LlamaDecoderLayer)
+        self.reduce_norm = AllReduceRMSNorm(self.norm) if get_tp_size() > 1 else None
 
     def forward(
         self,
@@ -245,7 +304,10 @@ class LlamaModel(nn.Module):
         if not self.is_last:
             send_activations(hidden, residual, self.pp_rank)
             return hidden
-        hidden, _ = self.norm(hidden, residual)
+        if self.reduce_norm is not None and residual is not None:
+            hidden, _ = self.reduce_norm(hidden, residual)
+        else:
+            hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:

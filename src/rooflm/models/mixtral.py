@@ -92,6 +92,7 @@ class MixtralMoE(CustomOp):
         self.act_and_mul = get_gated_activation(cfg.hidden_act)
         # The fused kernel's epilogue is SiLU-and-multiply, the activation of every Mixtral checkpoint.
         self.fused = cfg.hidden_act == "silu" and os.environ.get("ROOFLM_FUSED_MOE", "1") != "0"
+        self.reduce_output = True  # False: return this rank's partial sum (the decoder layer's next norm sums it)
 
     def _experts(self, x: torch.Tensor, linear: Callable | None) -> torch.Tensor:
         """The routed experts' weighted sum: the reference loop with ``linear``, the fused kernels with None."""
@@ -102,7 +103,8 @@ class MixtralMoE(CustomOp):
             out = fused_moe(x, self.w13, self.w2, weights, ids, self.expert_start, self.num_experts)
         else:
             out = moe_forward(x, self.w13, self.w2, weights, ids, self.act_and_mul, linear, self.expert_start)
-        return tp_all_reduce(out) if self.tp_size > 1 else out  # partial sums (of slices or of experts) added up
+        # partial sums (of slices or of experts) added up, here or by the next norm
+        return tp_all_reduce(out) if self.tp_size > 1 and self.reduce_output else out
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         return self._experts(x, linear_native)
