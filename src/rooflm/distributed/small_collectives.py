@@ -13,7 +13,7 @@ all-reduce): every rank owns a buffer that every other rank can address directly
 (``rooflm/kernels/one_shot_all_reduce.py``) copies the local input into the local buffer, meets the peers at a flag
 handshake, reads every peer's buffer over NVLink and sums them in rank order, then meets them again so that no rank
 overwrites its buffer while another still reads it. One launch, no host involvement: it is captured in CUDA graphs
-like any kernel (8.7 µs at 8 KiB in a graph on two H100s). Every rank sums the same values in the same order, so
+like any kernel (8.4-8.7 µs at 8 KiB in a graph on two H100s). Every rank sums the same values in the same order, so
 every rank holds the same result bit for bit (what the engine relies on: each rank samples from its own copy of the
 logits).
 
