@@ -53,7 +53,7 @@ def _peer(buf_ptrs, q):
 
 
 @triton.jit
-def _push(x_bits_ptr, buf_ptrs, offs, mask, slot_base, RANK: tl.constexpr, WORLD: tl.constexpr):
+def _push(x_bits_ptr, buf_ptrs, offs, mask, slot_base, WORLD: tl.constexpr):
     bits = tl.load(x_bits_ptr + offs, mask=mask, other=0)
     bits = tl.where(bits == _SENTINEL, 0, bits)  # -0.0 -> +0.0: no real value may equal the sentinel
     for q in tl.static_range(WORLD):
@@ -75,9 +75,9 @@ def _gather_sum(mine, gen_base, cap, offs, mask, out_ptr, WORLD: tl.constexpr, B
 
 
 @triton.jit
-def _row_chunk(mine, gen_base, cap, offs, mask, res_ptr, out_ptr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-               HAS_RES: tl.constexpr):
-    """The all-reduced chunk rounded to the dtype, plus the residual rounded again (0 where masked), in float32."""
+def _reduced_row(mine, gen_base, cap, offs, mask, res_ptr, out_ptr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                 HAS_RES: tl.constexpr):
+    """The all-reduced row rounded to the dtype, plus the residual rounded again (0 where masked), in float32."""
     dt = out_ptr.dtype.element_ty
     s = _gather_sum(mine, gen_base, cap, offs, mask, out_ptr, WORLD, BLOCK).to(dt)
     if HAS_RES:
@@ -100,14 +100,14 @@ def _lamport_kernel(x_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr, eps, buf_ptrs,
         row, part = pid // parts, pid % parts
         cols = part * BLOCK + tl.arange(0, BLOCK)
         if PUSH:
-            _push(x_bits, buf_ptrs, row * H + cols, cols < H, gen_base + RANK * cap, RANK, WORLD)
+            _push(x_bits, buf_ptrs, row * H + cols, cols < H, gen_base + RANK * cap, WORLD)
         if REDUCE:
             # the norm's statistic needs the whole row: every program of the row waits for all of it, one wide load
             # per rank from its own buffer (the link is crossed once per element, by the push), normalises it and
             # writes its own chunk
             c = tl.arange(0, ROW_BLOCK)
             rmask = c < H
-            s = _row_chunk(mine, gen_base, cap, row * H + c, rmask, res_ptr, out_ptr, WORLD, ROW_BLOCK, HAS_RES)
+            s = _reduced_row(mine, gen_base, cap, row * H + c, rmask, res_ptr, out_ptr, WORLD, ROW_BLOCK, HAS_RES)
             rstd = tl.rsqrt(tl.sum(s * s, 0) / H + eps)
             dt = out_ptr.dtype.element_ty
             mine_cols = rmask & (c // BLOCK == part)
@@ -119,7 +119,7 @@ def _lamport_kernel(x_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr, eps, buf_ptrs,
         if PUSH:
             for start in range(pid * BLOCK, n, nprog * BLOCK):
                 offs = start + tl.arange(0, BLOCK)
-                _push(x_bits, buf_ptrs, offs, offs < n, gen_base + RANK * cap, RANK, WORLD)
+                _push(x_bits, buf_ptrs, offs, offs < n, gen_base + RANK * cap, WORLD)
         if REDUCE:
             for start in range(pid * BLOCK, n, nprog * BLOCK):
                 offs = start + tl.arange(0, BLOCK)
