@@ -47,6 +47,7 @@ def _graph_time(fn, per_graph: int, replays: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sizes", default="8,10,64,256,1024,4096", help="all-reduce sizes in KiB, comma-separated")
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
@@ -60,7 +61,7 @@ def main() -> None:
         impls[impl] = OneShotAllReduce.create(dist.group.WORLD, device)
         assert impls[impl] is not None, f"one-shot all-reduce ({impl}) could not be set up"
     rows = []
-    for nbytes in (8 << 10, 10 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20):
+    for nbytes in [int(k) << 10 for k in args.sizes.split(",") if k]:
         n = nbytes // 2
         g = torch.Generator(device=device).manual_seed(rank)
         x = torch.randn(n, device=device, dtype=torch.float16, generator=g)

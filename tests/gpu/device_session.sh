@@ -3,7 +3,7 @@
 #   bash tests/gpu/device_session.sh STAGE...      (stages: info tests kbench latency1 latency32 prefill throughput
 #                                                   qlat fp8pre qtests kvlat qsweep offload newtests
 #                                                   swap hostcopy kvoffload multiturn specasync mixtral2
-#                                                   verifygraphs medusagpu)
+#                                                   verifygraphs medusagpu ropefuse)
 # JSON and profiles go to $OUT (or ./out), every stage's log is appended to $OUT/all.log (the device tool returns at
 # most 8 files). Every stage has its own time limit, so one failure does not sink the call.
 # qsweep's grid: QSWEEP_Q (default: none w8a16 w4a16), QSWEEP_BATCH (1 16), QSWEEP_CTX (512 4000).
@@ -30,6 +30,13 @@ for stage in "$@"; do
              -k "not engine_with" ;;
     tests_engine) run tests_engine 200 $PY -m pytest tests/gpu/test_gpu_model.py tests/gpu/test_gpu_async_engine.py -q -s \
                     -p no:cacheprovider -k "engine_with or async" ;;
+    ropefuse) TAIL=12 run ropebench 200 $PY -m rooflm.kernels.bench --sections decode_rope --json "$OUT/ropebench.json"
+              for i in ${ROPE_REPS:-1 2}; do for f in 1 0; do
+                export ROOFLM_DECODE_FUSED_ROPE=$f
+                TAIL=3 run "lat1_rope${f}_$i" 240 $PY -m rooflm.cli bench latency --model llama-2-7b --load-format dummy \
+                  --batch-size ${ROPE_BATCH:-1} --input-len 1024 --output-len 128 --dtype float16 ${ROPE_ARGS:-} \
+                  --json "$OUT/lat_rope${f}_$i.json"
+              done; done; unset ROOFLM_DECODE_FUSED_ROPE ;;
     kbench) TAIL=80 run kbench 300 $PY -m rooflm.kernels.bench --json "$OUT/kbench.json" ;;
     kbench_quick) TAIL=30 run kbench 300 $PY -m rooflm.kernels.bench --sections ceilings,decode_attn,prefill_attn,decode --json "$OUT/kbench.json" ;;
     latency1) run latency1 300 $PY -m rooflm.cli bench latency --model llama-2-7b --load-format dummy --batch-size 1 --profile \

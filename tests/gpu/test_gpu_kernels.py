@@ -162,3 +162,17 @@ def test_decode_in_cuda_graph_replays_at_new_lengths(fused_reduce, pdl, num_kv_h
         graph.replay()
         ref = paged_decode_attention_ref(q_src, cache_src, tables, seq_lens, scale)
         assert_close(out, ref, torch.float16, f"graph replay lens={lens}")
+
+
+@pytest.mark.parametrize("num_kv_heads", [32, 20, 8])  # Llama-2-7B, one rank of Llama-2-13B at TP=2, GQA 4
+@pytest.mark.parametrize("window", [None, 256])
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_decode_new_token_equals_rotary_then_attention(num_kv_heads, window, num_splits):
+    # bit for bit on the compiled kernels too (the same float32 expressions, fused multiply-adds and all)
+    from kernel_checks import check_decode_new_token
+
+    heads = 20 if num_kv_heads == 20 else 32
+    check_decode_new_token(heads, num_kv_heads, 128, 16, LENS + [0], seed=num_kv_heads, device=DEV, window=window,
+                           num_splits=num_splits)
+    check_decode_new_token(heads, num_kv_heads, 128, 16, [1024] * 4, seed=1, dtype=torch.bfloat16, device=DEV,
+                           window=window, num_splits=num_splits)

@@ -343,3 +343,60 @@ def gemv_test_configs():
 
     return [GemvConfig(False, 16, 64, 1), GemvConfig(False, 16, 64, 3), GemvConfig(True, 16, 64, 1),
             GemvConfig(True, 32, 32, 2)]
+
+
+def new_token_step(num_heads, num_kv_heads, head_dim, block_size, lens, dtype, device, seed, rot_dim=None):
+    """A decode step's unrotated q, k, v (views of one projection output), its angles, and a paged cache whose slots
+    for the new tokens hold NaN (they are written by the step)."""
+    g = torch.Generator().manual_seed(seed)
+    cache, tables = make_paged(lens, num_kv_heads, head_dim, block_size, dtype, device, gen=g)
+    n = len(lens)
+    # q, k, v as views of one projection output, the way the model hands them over
+    qkv = torch.randn(n, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype).to(device)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.view(n, num_heads, head_dim)
+    k = k.view(n, num_kv_heads, head_dim)
+    v = v.view(n, num_kv_heads, head_dim)
+    half = (rot_dim or head_dim) // 2
+    angles = torch.rand(n, half, generator=g) * 6.0
+    cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
+    slots = [-1 if L == 0 else int(tables[i, (L - 1) // block_size]) * block_size + (L - 1) % block_size
+             for i, L in enumerate(lens)]
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+    flat = cache.view(2, -1, num_kv_heads, head_dim)
+    for s in slots:  # the new token's slot holds garbage until it is written: reading it must not matter
+        if s >= 0:
+            flat[:, s] = float("nan")
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    return q, k, v, cos, sin, cache, tables, seq_lens, slot_mapping
+
+
+def check_decode_new_token(num_heads, num_kv_heads, head_dim, block_size, lens, seed, dtype=torch.float16,
+                          device="cpu", window=None, rot_dim=None, **kw):
+    """Decode attention given the step's token (``NewTokenKV``) against the rotary kernel then decode attention: the
+    same output and cache bit for bit; and against the torch twins within the dtype's tolerance."""
+    from rooflm.kernels.decode_attention import NewTokenKV, paged_decode_attention, paged_decode_attention_ref
+    from rooflm.kernels.kv_cache import rotary_write_kv_cache
+
+    q, k, v, cos, sin, cache, tables, seq_lens, slots = new_token_step(
+        num_heads, num_kv_heads, head_dim, block_size, lens, dtype, device, seed, rot_dim)
+    scale = head_dim ** -0.5
+    q0, k0 = q.clone(), k.clone()
+    fused_cache, plain_cache, ref_cache = cache.clone(), cache.clone(), cache.clone()
+    fused = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, fused_cache, tables, seq_lens, scale, window, out=fused,
+                           new_kv=NewTokenKV(k, v, cos, sin, slots), **kw)
+    assert torch.equal(q, q0) and torch.equal(k, k0), "the fused call must not rotate its inputs in place"
+
+    rq, rk = rotary_write_kv_cache(q.clone(), k.clone(), v, None, cos, sin, plain_cache, slots)
+    plain = torch.full_like(q, float("nan"))
+    paged_decode_attention(rq, plain_cache, tables, seq_lens, scale, window, out=plain, **kw)
+    what = f"H={num_heads}/{num_kv_heads} D={head_dim} lens={lens} w={window} {kw}"
+    assert not torch.isnan(fused).any(), f"{what}: NaN (a stale cache row was read)"
+    assert torch.equal(fused, plain), f"{what}: output differs from rotary kernel + decode attention"
+    assert torch.equal(fused_cache.nan_to_num(7.0), plain_cache.nan_to_num(7.0)), f"{what}: cache differs"
+
+    ref = paged_decode_attention_ref(q, ref_cache, tables, seq_lens, scale, window,
+                                     new_kv=NewTokenKV(k, v, cos, sin, slots))
+    assert_close(fused, ref, dtype, what)
+    assert_close(fused_cache.nan_to_num(7.0), ref_cache.nan_to_num(7.0), dtype, what + " (cache)")

@@ -57,7 +57,8 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """Everything a model calls on its attention backend, once per layer and step, in this order:
+    """Everything a model calls on its attention backend, once per layer and step: either ``rotary_write_attend``
+    alone, or, where the caller needs the rotated queries afterwards (H2O's scores), these two in this order:
 
     1. ``rotary_and_write``: rotate the new queries and keys by their positions (RoPE, Su et al. 2021, Hugging Face's
        "rotate_half" layout) and write the rotated keys and the values into the paged cache at ``meta.slot_mapping``;
@@ -94,6 +95,30 @@ class AttentionBackend(Protocol):
         backend may attend to them directly where the cache holds nothing else for the step's sequences (fresh
         prompts), instead of reading them back from the cache."""
         ...
+
+    def rotary_write_attend(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], not rotated
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], not rotated
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        cos: torch.Tensor,  # [num_tokens, head_dim // 2]
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """``rotary_and_write`` then ``attend`` (``rotary_write_then_attend``), or one kernel doing both: the same
+        output and cache. Where fused, q and k may be left unrotated."""
+        ...
+
+
+def rotary_write_then_attend(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                             scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """``rotary_write_attend`` as the backend's two calls (what a backend without a fused path uses)."""
+    q, k = backend.rotary_and_write(q, k, v, cos, sin, kv_cache, meta)
+    return backend.attend(q, kv_cache, meta, scale, sliding_window, k, v)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor,

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rooflm.attention.backend import AttentionMetadata, write_kv_cache
+from rooflm.attention.backend import AttentionMetadata, rotary_write_then_attend, write_kv_cache
 from rooflm.attention.kv_quant import QuantizedKVCache, gather_blocks
 from rooflm.kernels.cpu_native.ops import attend as native_attend
 from rooflm.kernels.cpu_native.ops import native_ops
@@ -55,6 +55,7 @@ class CpuAttention:
     first layer and reused by the others: about a dozen small ops per layer that a CPU pays in dispatch time."""
 
     name = "cpu"
+    rotary_write_attend = rotary_write_then_attend
 
     def __init__(self) -> None:
         self._rope_for: tuple[torch.Tensor, torch.Tensor] | None = None

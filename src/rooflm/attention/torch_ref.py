@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from rooflm.attention.backend import AttentionMetadata, write_kv_cache
+from rooflm.attention.backend import AttentionMetadata, rotary_write_then_attend, write_kv_cache
 from rooflm.attention.kv_quant import KVCache, gather_blocks
 from rooflm.layers.rotary import apply_rotary
 
@@ -84,6 +84,7 @@ class TorchRefAttention:
     metadata and checks the slots on the host, so a step through it cannot be captured in a CUDA graph."""
 
     name = "torch"
+    rotary_write_attend = rotary_write_then_attend
 
     def rotary_and_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

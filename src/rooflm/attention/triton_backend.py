@@ -10,19 +10,27 @@ Same contract as ``TorchRefAttention`` (see ``attention/backend.py``), which is 
      passes the tree masks to the same kernel (``attention/tree_mask.py``): a tree's new tokens see their ancestors
      only, the other sequences of the batch stay causal. A step of a few fresh prompts (no cached context) attends
      over the step's own k and v through PyTorch's fused attention instead (``attention/dense_prefill.py``).
+  3. ``rotary_write_attend``: at a decode-only step over a float cache whose batch shape gets the dot-free decode
+     plan (MHA, small batches: where it was measured faster, ``fuses_new_token``), one kernel does both (decode
+     attention rotates q and the new k itself, attends to the new k and v from registers and writes them into the
+     cache: ``NewTokenKV``), bit-equal to the two calls; ``ROOFLM_DECODE_FUSED_ROPE=0`` keeps the two kernels.
 GQA is handled inside the kernels; K/V are never repeated. A quantized cache (``QuantizedKVCache``) is quantized by
 the write kernel and dequantized in registers by both attention kernels.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
-from rooflm.attention.backend import AttentionMetadata
+from rooflm.attention.backend import AttentionMetadata, rotary_write_then_attend
 from rooflm.attention.dense_prefill import attend as dense_prefill
 from rooflm.attention.dense_prefill import usable as dense_prefill_usable
-from rooflm.attention.kv_quant import KVCache
+from rooflm.attention.kv_quant import KVCache, QuantizedKVCache
 from rooflm.attention.tree_mask import packed_tree_masks
-from rooflm.kernels.decode_attention import paged_decode_attention
+from rooflm.kernels._utils import device_sms
+from rooflm.kernels.decode_attention import NewTokenKV, paged_decode_attention
+from rooflm.kernels.decode_plan import fuses_new_token
 from rooflm.kernels.kv_cache import rotary_write_kv_cache
 from rooflm.kernels.prefill_attention import paged_prefill_attention
 
@@ -32,10 +40,24 @@ class TritonAttention:
 
     name = "triton"
 
+    def __init__(self) -> None:
+        self.fuse_decode_rotary = os.environ.get("ROOFLM_DECODE_FUSED_ROPE", "1") != "0"
+
     def rotary_and_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """One kernel: rotates q and k in place (and returns them) and writes k, v into the cache."""
         return rotary_write_kv_cache(q, k, v, None, cos, sin, kv_cache, meta.slot_mapping, is_neox=True)
+
+    def rotary_write_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float,
+                            sliding_window: int | None = None) -> torch.Tensor:
+        if (self.fuse_decode_rotary and meta.is_decode_only and meta.num_tokens == meta.num_seqs
+                and not isinstance(kv_cache, QuantizedKVCache)
+                and fuses_new_token(q.shape[0], k.shape[1], q.shape[1] // k.shape[1], device_sms(q))):
+            return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window,
+                                          out=torch.empty_like(q),
+                                          new_kv=NewTokenKV(k, v, cos, sin, meta.slot_mapping))
+        return rotary_write_then_attend(self, q, k, v, cos, sin, kv_cache, meta, scale, sliding_window)
 
     def attend(
         self,

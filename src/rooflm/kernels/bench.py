@@ -137,6 +137,41 @@ def decode_attention_bench(dtype=torch.float16) -> list[dict]:
     return rows
 
 
+def decode_rope_bench(dtype=torch.float16) -> list[dict]:
+    """A decode layer's rotary + cache write and attention: the rotary kernel then decode attention, against decode
+    attention doing both (``NewTokenKV``); CUDA-graph replays over 8 caches (as 8 layers), per layer."""
+    from rooflm.kernels._utils import device_sms
+    from rooflm.kernels.decode_attention import NewTokenKV, default_plan, paged_decode_attention
+    from rooflm.kernels.kv_cache import rotary_write_kv_cache
+
+    rows = []
+    shapes = [(b, h, kvh, c) for b in (1, 2, 4, 8, 16, 32) for h, kvh in ((32, 32), (32, 8)) for c in (1024, 4096)]
+    for batch, heads, kv_heads, ctx in [(1, 20, 20, 1024), (1, 40, 40, 1024), (8, 32, 8, 8192)] + shapes:
+        bs, d, layers = 16, 128, 8
+        nblk = batch * math.ceil(ctx / bs) + 1
+        caches = [torch.randn(2, nblk, bs, kv_heads, d, dtype=dtype, device="cuda") for _ in range(layers)]
+        tables = torch.randperm(nblk - 1, device="cuda")[: batch * math.ceil(ctx / bs)].view(batch, -1).int()
+        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        slots = (tables[:, (ctx - 1) // bs].long() * bs + (ctx - 1) % bs).contiguous()
+        qkv = torch.randn(batch, (heads + 2 * kv_heads) * d, dtype=dtype, device="cuda")
+        q, k, v = (t.view(batch, -1, d) for t in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
+        angles = torch.rand(batch, d // 2, device="cuda") * 6
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        new = NewTokenKV(k, v, cos, sin, slots)
+        two = [lambda c=c: (rotary_write_kv_cache(q, k, v, None, cos, sin, c, slots),
+                            paged_decode_attention(q, c, tables, seq_lens, d ** -0.5)) for c in caches]
+        one = [lambda c=c: paged_decode_attention(q, c, tables, seq_lens, d ** -0.5, new_kv=new) for c in caches]
+        res = {"two_kernels": graph_ms(two) / layers, "fused": graph_ms(one) / layers,
+               "attention_only": graph_ms([lambda c=c: paged_decode_attention(q, c, tables, seq_lens, d ** -0.5)
+                                           for c in caches]) / layers}
+        plan = default_plan(batch, kv_heads, heads // kv_heads, device_sms(q))
+        rows.append({"batch": batch, "heads": heads, "kv_heads": kv_heads, "ctx": ctx, "splits": plan.num_splits,
+                     "dot": plan.use_dot, "us": {k: round(v * 1e3, 2) for k, v in res.items()},
+                     "saved_us": round((res["two_kernels"] - res["fused"]) * 1e3, 2)})
+        del caches
+    return rows
+
+
 def prefill_attention_bench(dtype=torch.float16) -> list[dict]:
     from rooflm.kernels.prefill_attention import paged_prefill_attention
 
@@ -330,6 +365,7 @@ def main(argv=None) -> int:
     for sec in args.sections.split(","):
         t0 = time.perf_counter()
         fn = {"ceilings": ceilings, "gemv": gemv_sweep, "decode_attn": decode_attention_bench,
+              "decode_rope": decode_rope_bench,
               "prefill_attn": prefill_attention_bench, "elementwise": elementwise_bench,
               "decode": synthetic_decode}[sec]
         out[sec] = fn()

@@ -31,7 +31,10 @@
 #   launched immediately before (q and kv_cache may be: that is where rotary embedding writes them).
 #
 # Shapes and invariants:
-#   q            [num_seqs, num_heads, head_dim]        one new token per sequence (its K/V already in the cache)
+#   q            [num_seqs, num_heads, head_dim]        one new token per sequence (its K/V already in the cache, or,
+#                                                       with NewTokenKV, q and the token's K/V handed over unrotated:
+#                                                       the program that owns the last position uses its K/V from
+#                                                       registers and writes them into the cache after its loop)
 #   kv_cache     [2, num_blocks, block_size, num_kv_heads, head_dim], last dim contiguous; or a QuantizedKVCache
 #                (int8 / fp8 values + float32 scales [2, num_blocks, block_size, num_kv_heads]): a K tile is used as
 #                is (int8 and e4m3 values are exact in fp16 / bf16) and its per-token scales multiply the scores; a
@@ -49,9 +52,6 @@
 # established), so it is off by default and left to the caller.
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -59,6 +59,11 @@ import triton.language as tl
 from rooflm.attention.kv_quant import QuantizedKVCache
 from rooflm.kernels._tl import dot, dot_upcast
 from rooflm.kernels._utils import check_last_dim_contiguous, device_sms, interpreting, next_pow2
+from rooflm.kernels.decode_plan import DecodePlan, NewTokenKV, check_new_kv, default_plan
+from rooflm.kernels.kv_cache import rope_rows, rope_tables
+
+__all__ = ["DecodePlan", "NewTokenKV", "default_plan", "paged_decode_attention", "paged_decode_attention_ref",
+           "pdl_supported"]
 
 try:  # griddepcontrol (programmatic dependent launch); absent from older Triton releases
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -89,6 +94,7 @@ def _decode_split_kernel(
     lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] fp32, log2 domain (unused when DIRECT)
     final_ptr,  # FUSED_REDUCE: [num_seqs, num_heads, head_dim] in q's dtype
     counter_ptr,  # FUSED_REDUCE: [num_seqs * num_kv_heads] int32, zero between launches
+    knew_ptr, vnew_ptr, cos_ptr, sin_ptr, slot_ptr,  # NEW_KV: the step's token (see NewTokenKV)
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window in positions (read only when HAS_WINDOW)
     max_tokens,  # block_tables.shape[1] * BLOCK_SIZE: the table entries that exist
@@ -98,6 +104,7 @@ def _decode_split_kernel(
     stride_bt,
     stride_os, stride_oh, stride_osplit,
     stride_fs, stride_fh,
+    stride_kns, stride_knh, stride_vns, stride_vnh, stride_cos,
     num_splits,
     DIRECT: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, SPLITS_PAD: tl.constexpr,
@@ -111,6 +118,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     KV_QUANT: tl.constexpr,  # the cache holds int8 / fp8 values with per-(token, head) scales
+    NEW_KV: tl.constexpr, ROPE_HALF: tl.constexpr,  # q and the new k unrotated, the new k and v not in the cache
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -139,8 +147,25 @@ def _decode_split_kernel(
     mask_g = offs_g < GROUP
     mask_d = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
-    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [GROUP_PAD, HEAD_DIM_PAD]
+    q_rows = q_ptr + seq * stride_qs + heads[:, None] * stride_qh
+    q_mask = mask_g[:, None] & mask_d[None, :]
+    if NEW_KV:
+        # The rotary kernel's work, done here (see NewTokenKV): q rotated by every program; the new k rotated and v
+        # loaded by the program whose tiles hold the last position, which writes both into the cache at the end.
+        last = seq_len - 1
+        owner = (seq_len > 0) & ((last // BLOCK_N - start // BLOCK_N) % num_splits == split)
+        cos, sin = rope_tables(cos_ptr + seq * stride_cos, sin_ptr + seq * stride_cos, offs_d, ROPE_HALF)
+        q = rope_rows(q_rows, offs_d[None, :], q_mask, cos[None, :], sin[None, :], ROPE_HALF).to(q_ptr.dtype.element_ty)
+        k_new = tl.zeros([HEAD_DIM_PAD], k_ptr.dtype.element_ty)
+        v_new = tl.zeros([HEAD_DIM_PAD], v_ptr.dtype.element_ty)
+        if owner:
+            k_new = rope_rows(knew_ptr + seq * stride_kns + kvh * stride_knh, offs_d, mask_d, cos, sin, ROPE_HALF)
+            k_new = k_new.to(k_ptr.dtype.element_ty)
+            v_new = tl.load(vnew_ptr + seq * stride_vns + kvh * stride_vnh + offs_d, mask=mask_d, other=0.0)
+            v_new = v_new.to(v_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr + seq, mask=owner, other=-1).to(tl.int64)  # written after the loop
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0)  # [GROUP_PAD, HEAD_DIM_PAD]
 
     if USE_DOT:
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -163,6 +188,11 @@ def _decode_split_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D]
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # issued with K
+        if NEW_KV:
+            if n0 + BLOCK_N > last:  # the owner's last tile: its last row is not in the cache yet, use the registers
+                is_new = offs_n == last
+                k = tl.where(is_new[:, None], k_new[None, :], k)
+                v = tl.where(is_new[:, None], v_new[None, :], v)
         if KV_QUANT:
             srow = _row_offsets(blk, offs_n, kvh, stride_sb, stride_ss, stride_sh, BLOCK_SIZE)
             k_sc = tl.load(ks_ptr + srow, mask=mask_n, other=0.0)  # [BLOCK_N]
@@ -220,6 +250,11 @@ def _decode_split_kernel(
         l_i = tl.zeros([GROUP_PAD], tl.float32) + tl.sum(l_r * w, 0)
         m_i = tl.zeros([GROUP_PAD], tl.float32) + m_all
         acc = tl.sum(acc_r * w[:, None], 0)[None, :]
+    if NEW_KV:
+        row_new = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks + kvh * stride_kh + offs_d
+        write_mask = offs_d < tl.where(slot >= 0, HEAD_DIM, 0)  # slot is -1 unless this program owns the token
+        tl.store(k_ptr + row_new, k_new, mask=write_mask)
+        tl.store(v_ptr + row_new, v_new, mask=write_mask)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     acc = acc / l_safe[:, None]
     o_mask = mask_g[:, None] & mask_d[None, :]
@@ -319,36 +354,6 @@ def pdl_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-@dataclass(frozen=True)
-class DecodePlan:
-    """Launch shape of one decode-attention call: split count, inner loop and tile."""
-    num_splits: int
-    use_dot: bool
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-def default_plan(num_seqs: int, num_kv_heads: int, group: int, num_sms: int, max_splits: int = 32) -> DecodePlan:
-    """Depends on the batch shape only, so a captured CUDA graph keeps it for every context length. Measured on an
-    H100 (Llama-2-7B heads, CUDA-graph replays over caches larger than the L2):
-    - at least 2 (sequence, KV head) programs per multiprocessor: one program per pair, no split, tl.dot tiles of 64
-      tokens with the K/V loads software-pipelined (cp.async): 180 us at batch 32 MHA, 1k tokens (the dot-free loop
-      has no pipelining and measured 191 us);
-    - small MHA batches: the dot-free loop in one-warp programs over 16-token tiles, about 8 programs per
-      multiprocessor (32 splits at batch 1: 11.6 us for 16 MiB against 12.3-16 us for 2- or 4-warp programs,
-      32-64 token tiles or 8-16 splits);
-    - small GQA batches: tl.dot over 32-token tiles, 4 warps, 3 pipeline stages, about 4 programs per multiprocessor
-      (32 splits at batch 1, 4k tokens: 12.0 us against 12.3-13.5 us for 16-24 splits or 64-token tiles)."""
-    programs = max(1, num_seqs * num_kv_heads)
-    if programs >= 2 * num_sms:
-        return DecodePlan(1, True, 64, 4, 2)
-    row_splits = math.ceil(8 * num_sms / programs)
-    if group == 1 and row_splits >= 16:
-        return DecodePlan(min(max_splits, row_splits), False, 16, 1, 2)
-    return DecodePlan(max(1, min(max_splits, math.ceil(4 * num_sms / programs))), True, 32, 4, 3)
-
-
 def paged_decode_attention(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     kv_cache: torch.Tensor | QuantizedKVCache,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -365,11 +370,13 @@ def paged_decode_attention(
     lanes: bool = False,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    new_kv: NewTokenKV | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Decode attention over a paged KV cache. Arguments left at None come from ``default_plan`` (the batch shape).
     ``pdl`` launches with programmatic dependent launch where supported (see the module header for what it requires
     of the kernel launched just before); ``use_dot`` True forces tl.dot, False the dot-free loop (MHA only), whose
-    softmax state is kept per tile row when ``lanes``."""
+    softmax state is kept per tile row when ``lanes``. With ``new_kv`` q is unrotated and the last position's K/V are
+    not in the cache yet (see ``NewTokenKV``)."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
     if cache_dim != head_dim or num_heads % num_kv_heads:
@@ -383,6 +390,8 @@ def paged_decode_attention(
         raise ValueError(f"use_dot=False needs num_heads == num_kv_heads; got {num_heads} and {num_kv_heads}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if new_kv is not None:
+        check_new_kv(new_kv, num_seqs, num_kv_heads, head_dim, quant)
     if out is None:
         out = torch.empty_like(q)
     if num_seqs == 0:
@@ -417,18 +426,23 @@ def paged_decode_attention(
     counters = _counter_buffer(q.device, num_seqs * num_kv_heads) if fused_reduce and not direct else None
     fused = counters is not None
     launch = {"launch_pdl": True} if use_pdl else {}
+    nk = new_kv
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_sc, v_sc, block_tables, seq_lens, part, lse, out, counters if fused else seq_lens,
+        *((nk.k, nk.v, nk.cos, nk.sin, nk.slot_mapping) if nk else (q,) * 5),
         qk_scale, window, block_tables.shape[1] * block_size,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *((k_sc.stride(0), k_sc.stride(1), k_sc.stride(2)) if quant else (0, 0, 0)),
         block_tables.stride(0),
-        *strides_o, out.stride(0), out.stride(1), num_splits,
-        DIRECT=direct, FUSED_REDUCE=fused, SPLITS_PAD=splits_pad if fused else 1, HAS_WINDOW=window > 0, USE_PDL=use_pdl,
-        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, USE_DOT=use_dot, LANES=lanes,
+        *strides_o, out.stride(0), out.stride(1),
+        *((nk.k.stride(0), nk.k.stride(1), nk.v.stride(0), nk.v.stride(1), nk.cos.stride(0)) if nk else (0,) * 5),
+        num_splits,
+        DIRECT=direct, FUSED_REDUCE=fused, SPLITS_PAD=splits_pad if fused else 1, HAS_WINDOW=window > 0,
+        USE_PDL=use_pdl, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, USE_DOT=use_dot, LANES=lanes,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n, DOT_UPCAST=dot_upcast(q.dtype),
-        KV_QUANT=quant, num_warps=num_warps or 4, num_stages=num_stages or 2, **launch,
+        KV_QUANT=quant, NEW_KV=nk is not None, ROPE_HALF=nk.cos.shape[1] if nk else 1,
+        num_warps=num_warps or 4, num_stages=num_stages or 2, **launch,
     )
     if not direct and not fused:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -443,10 +457,17 @@ def paged_decode_attention_ref(
     q: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    new_kv: NewTokenKV | None = None,
 ) -> torch.Tensor:
-    """The twin: gather each sequence's context and run float32 softmax attention (``attention.torch_ref``)."""
+    """The twin: gather each sequence's context and run float32 softmax attention (``attention.torch_ref``); with
+    ``new_kv``, first the rotary twin that writes the cache."""
     from rooflm.attention.torch_ref import attend, gather_context
 
+    if new_kv is not None:
+        from rooflm.kernels.kv_cache import rotary_write_kv_cache_ref
+
+        q, _ = rotary_write_kv_cache_ref(q, new_kv.k, new_kv.v, None, new_kv.cos, new_kv.sin, kv_cache,
+                                         new_kv.slot_mapping)
     out = torch.zeros_like(q)
     for i, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:

@@ -122,6 +122,28 @@ def _rotate(x_ptr, row_stride, n_heads, offs_h, offs_r, cos, sin,
 
 
 @triton.jit
+def rope_rows(base, offs, mask, cos, sin, HALF: tl.constexpr):
+    """Rows ``base + offs`` rotated in float32 (rotate_half layout), each dimension d < 2 * HALF from d and its
+    partner d +- HALF, the rest passed through; ``cos`` and ``sin`` hold angle d % HALF at position d (see
+    ``rope_tables``). The same expressions as ``_rotate``, so the rounding equals this file's rotary kernel's."""
+    lo = offs < HALF
+    rot = offs < 2 * HALF
+    x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(base + tl.where(lo, offs + HALF, offs - HALF), mask=mask & rot, other=0.0).to(tl.float32)
+    return tl.where(lo, x * cos - xp * sin, tl.where(rot, x * cos + xp * sin, x))
+
+
+@triton.jit
+def rope_tables(cos_row, sin_row, offs, HALF: tl.constexpr):
+    """One token's angles spread over head_dim for ``rope_rows``: position d holds angle d % HALF (d < 2 * HALF)."""
+    rot = offs < 2 * HALF
+    r = tl.where(offs < HALF, offs, offs - HALF)
+    cos = tl.load(cos_row + r, mask=rot, other=1.0).to(tl.float32)
+    sin = tl.load(sin_row + r, mask=rot, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _rotary_write_kv_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,

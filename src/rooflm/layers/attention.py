@@ -12,8 +12,9 @@ class Attention(CustomOp):
     """Stateless apart from its shape and its backend: the cache tensor and the metadata come with every call.
 
     The backend ("torch", the reference, "triton" or "cpu") follows the op selection's ``attention`` setting;
-    ``impl`` is "native" for the torch backend, "cpu" for the CPU one and "triton" for the Triton one. ``backend`` is kept as an attribute: the engine
-    reads its ``name`` to decide whether decode steps can be captured in a CUDA graph."""
+    ``impl`` is "native" for the torch backend, "cpu" for the CPU one and "triton" for the Triton one. ``backend`` is
+    kept as an attribute: the engine reads its ``name`` to decide whether decode steps can be captured in a CUDA
+    graph."""
 
     backend: AttentionBackend
 
@@ -51,9 +52,11 @@ class Attention(CustomOp):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
-        q, k = self.backend.rotary_and_write(q, k, v, cos, sin, kv_cache, meta)
-        out = self.backend.attend(q, kv_cache, meta, self.scale, self.sliding_window, k, v)
-        if meta.attn_scores is not None:  # H2O: the probabilities the fused attention does not give
+        if meta.attn_scores is None:
+            out = self.backend.rotary_write_attend(q, k, v, cos, sin, kv_cache, meta, self.scale, self.sliding_window)
+        else:  # H2O: the probabilities the fused attention does not give, from the rotated queries
+            q, k = self.backend.rotary_and_write(q, k, v, cos, sin, kv_cache, meta)
+            out = self.backend.attend(q, kv_cache, meta, self.scale, self.sliding_window, k, v)
             meta.attn_scores.add(q, kv_cache, self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
