@@ -75,8 +75,8 @@ def check_new_kv(nk: NewTokenKV, num_seqs: int, num_kv_heads: int, head_dim: int
 def fuses_new_token(num_seqs: int, num_kv_heads: int, group: int, num_sms: int) -> bool:
     """Whether decode attention should take the step's token itself (``NewTokenKV``) for this batch shape: where the
     default plan is the dot-free loop (MHA, small batches). Measured on an H100 (``python -m rooflm.kernels.bench
-    --sections decode_rope``, CUDA-graph replays, per layer): the dot-free plans saved 1.2-4.9 us of the 2-4 us
-    that the rotary + cache-write kernel costs (batch 1-2, 20-40 heads, 1k-4k tokens); the tl.dot plans gained
+    --sections decode_rope``, CUDA-graph replays, per layer): the dot-free plans saved 1.2-4.9 us a layer, most of
+    what the rotary + cache-write kernel costs there (batch 1-2, 20-40 heads, 1k-4k tokens); the tl.dot plans gained
     0.7-1.6 us at a few shapes (GQA at batch 1) and lost up to 78 us at others (the software-pipelined loops of
     large batches and long contexts slow down with the branch for the owner's last tile)."""
     return not default_plan(num_seqs, num_kv_heads, group, num_sms).use_dot
