@@ -1,11 +1,9 @@
 """Tensor and pipeline parallelism over two GPUs (NCCL): the same greedy tokens as one GPU. Skips without two CUDA
-devices.
-
-float32 random weights of the default model's architecture, written once as a safetensors checkpoint that every
-rank slices (random weights drawn per rank would differ between TP=1 and TP=2; a GPU machine need not have the
-model package), on the default GPU path (Triton kernels, asynchronous scheduling), so a token can differ only where two logits nearly tie;
-the logprobs are compared within 1e-3. Tensor parallelism with NCCL and with one-shot all-reduces, and with its
-decode CUDA graphs (one-shot all-reduces captured)."""
+devices. float32 random weights of the default model's architecture, written once as a safetensors checkpoint that
+every rank slices (random weights drawn per rank would differ between TP=1 and TP=2; a GPU machine need not have the
+model package), on the default GPU path (Triton kernels, asynchronous scheduling), so a token can differ only where
+two logits nearly tie; the logprobs are compared within 1e-3. Tensor parallelism with NCCL and with one-shot
+all-reduces, and with its decode CUDA graphs (one-shot all-reduces captured)."""
 from __future__ import annotations
 
 import os

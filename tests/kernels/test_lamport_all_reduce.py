@@ -17,7 +17,8 @@ class Group:
         size = LamportBuffers.elements(world, cap)
         self.buffers = [torch.full((size,), SENTINEL, dtype=torch.int16, device=device) for _ in range(world)]
         ptrs = torch.tensor([b.data_ptr() for b in self.buffers], dtype=torch.int64, device=device)
-        self.ranks = [LamportBuffers(ptrs, torch.zeros(3, dtype=torch.int32, device=device), r, world, cap)
+        self.ranks = [LamportBuffers(ptrs, torch.zeros(3, dtype=torch.int32, device=device), r, world, cap,
+                                     self.buffers[r])
                       for r in range(world)]
 
     def all_reduce(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -141,6 +142,14 @@ def test_inputs_that_do_not_fit_are_refused_by_name():
         lamport_all_reduce_rms_norm(torch.ones(513, 1).half(), None, torch.ones(1).half(), 1e-6, group.ranks[0])
     with pytest.raises(ValueError, match="norm_weight"):
         lamport_all_reduce_rms_norm(torch.ones(2, 4).half(), None, torch.ones(5).half(), 1e-6, group.ranks[0])
+    from rooflm.kernels.lamport_all_reduce import LamportBuffers
+
+    bufs = group.ranks[0]
+    size = LamportBuffers.elements(2, 16)
+    for mine in (group.buffers[0].float(), group.buffers[0][:size - 1],  # another dtype, too short,
+                 torch.zeros(size + 8, dtype=torch.int16)[1:]):  # 2 bytes past a 16-byte boundary
+        with pytest.raises(ValueError, match="mine must be this rank's buffer"):
+            LamportBuffers(bufs.buf_ptrs, bufs.state, 0, 2, 16, mine)
 
 
 class _Handle:

@@ -100,7 +100,9 @@ class OneShotAllReduce:
 
             ptrs = torch.tensor([p + max_bytes for p in handle.buffer_ptrs], dtype=torch.int64, device=buffer.device)
             state = torch.zeros(3, dtype=torch.int32, device=buffer.device)
-            self.lamport = LamportBuffers(ptrs, state, self.rank, self.world, LAMPORT_MAX_BYTES // 2)
+            cap = LAMPORT_MAX_BYTES // 2
+            mine = buffer[max_bytes:].view(torch.int16)[:LamportBuffers.elements(self.world, cap)]
+            self.lamport = LamportBuffers(ptrs, state, self.rank, self.world, cap, mine)
 
     @classmethod
     def create(cls, group: Any, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES,

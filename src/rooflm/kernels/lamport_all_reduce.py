@@ -48,16 +48,24 @@ DTYPES = (torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _peer(buf_ptrs, q):
-    return tl.load(buf_ptrs.to(tl.pointer_type(tl.int64)) + q).to(tl.pointer_type(tl.int16))
+def _peer(mine, buf_ptrs, q: tl.constexpr, RANK: tl.constexpr):
+    """Rank q's buffer, as this rank's buffer ``mine`` (a pointer argument) plus the distance between the two: Triton
+    knows an argument's 16-byte alignment and the offset's divisibility, so the accesses through it compile to
+    16-byte vector accesses; through the address converted to a pointer (as before) every access was a 2-byte one."""
+    if q == RANK:
+        p = mine
+    else:
+        table = buf_ptrs.to(tl.pointer_type(tl.int64))
+        p = mine + tl.multiple_of((tl.load(table + q) - tl.load(table + RANK)) // 2, 8)
+    return p
 
 
 @triton.jit
-def _push(x_bits_ptr, buf_ptrs, offs, mask, slot_base, WORLD: tl.constexpr):
+def _push(x_bits_ptr, mine, buf_ptrs, offs, mask, slot_base, RANK: tl.constexpr, WORLD: tl.constexpr):
     bits = tl.load(x_bits_ptr + offs, mask=mask, other=0)
     bits = tl.where(bits == _SENTINEL, 0, bits)  # -0.0 -> +0.0: no real value may equal the sentinel
     for q in tl.static_range(WORLD):
-        tl.store(_peer(buf_ptrs, q) + slot_base + offs, bits, mask=mask)
+        tl.store(_peer(mine, buf_ptrs, q, RANK) + slot_base + offs, bits, mask=mask)
 
 
 @triton.jit
@@ -75,14 +83,13 @@ def _gather_sum(mine, gen_base, cap, offs, mask, out_ptr, WORLD: tl.constexpr, B
 
 
 @triton.jit
-def _lamport_kernel(x_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr, eps, buf_ptrs, state_ptr, n, H, cap,
+def _lamport_kernel(x_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr, eps, mine, buf_ptrs, state_ptr, n, H, cap,
                     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr,
                     HAS_RES: tl.constexpr, PUSH: tl.constexpr, REDUCE: tl.constexpr, ROW_BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     gen = tl.load(state_ptr)
     gen_base = gen * WORLD * cap
-    mine = _peer(buf_ptrs, RANK)
     x_bits = x_ptr.to(tl.pointer_type(tl.int16))
     if NORM:  # program pid: chunk pid % parts of row pid // parts of [M, H]
         parts = tl.cdiv(H, BLOCK)
@@ -98,7 +105,7 @@ def _lamport_kernel(x_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr, eps, buf_ptrs,
                 r = tl.load(res_ptr + row * H + c, mask=rmask, other=0.0)
             w = tl.load(nw_ptr + c, mask=mine_cols, other=0.0)
         if PUSH:
-            _push(x_bits, buf_ptrs, row * H + cols, cols < H, gen_base + RANK * cap, WORLD)
+            _push(x_bits, mine, buf_ptrs, row * H + cols, cols < H, gen_base + RANK * cap, RANK, WORLD)
         if REDUCE:
             # the norm's statistic needs the whole row: every program of the row waits for all of it, one wide load
             # per rank from its own buffer (the link is crossed once per element, by the push), normalises it and
@@ -115,11 +122,11 @@ def _lamport_kernel(x_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr, eps, buf_ptrs,
     else:  # programs stride over BLOCK-element chunks of the flat tensor
         if PUSH:
             for start in range(pid * BLOCK, n, nprog * BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                _push(x_bits, buf_ptrs, offs, offs < n, gen_base + RANK * cap, WORLD)
+                offs = tl.multiple_of(start, BLOCK) + tl.arange(0, BLOCK)  # whole 16-byte vectors
+                _push(x_bits, mine, buf_ptrs, offs, offs < n, gen_base + RANK * cap, RANK, WORLD)
         if REDUCE:
             for start in range(pid * BLOCK, n, nprog * BLOCK):
-                offs = start + tl.arange(0, BLOCK)
+                offs = tl.multiple_of(start, BLOCK) + tl.arange(0, BLOCK)  # whole 16-byte vectors
                 mask = offs < n
                 acc = _gather_sum(mine, gen_base, cap, offs, mask, out_ptr, WORLD, BLOCK)
                 tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -128,7 +135,7 @@ def _lamport_kernel(x_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr, eps, buf_ptrs,
         prev_n = tl.load(state_ptr + 1)
         prev_base = ((gen + 2) % 3) * WORLD * cap
         for start in range(pid * BLOCK, prev_n, nprog * BLOCK):
-            offs = start + tl.arange(0, BLOCK)
+            offs = tl.multiple_of(start, BLOCK) + tl.arange(0, BLOCK)
             for q in tl.static_range(WORLD):
                 tl.store(mine + prev_base + q * cap + offs, tl.full([BLOCK], _SENTINEL, tl.int16), mask=offs < prev_n)
         # the last program to finish moves the generation on (every program read it above)
@@ -141,11 +148,17 @@ def _lamport_kernel(x_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr, eps, buf_ptrs,
 
 class LamportBuffers:
     """This rank's view of the peer-mapped buffers: ``buf_ptrs`` (int64 device tensor: every rank's buffer address,
-    each 3 x world x ``cap`` int16 elements, filled with ``SENTINEL`` before first use) and ``state`` (int32 [3] on
-    this rank's device, zeros: generation, previous size, arrivals)."""
+    each 3 x world x ``cap`` int16 elements, filled with ``SENTINEL`` before first use), ``mine`` (this rank's
+    buffer, the one at ``buf_ptrs[rank]``, as a 16-byte aligned int16 tensor) and ``state`` (int32 [3] on this
+    rank's device, zeros: generation, previous size, arrivals)."""
 
-    def __init__(self, buf_ptrs: torch.Tensor, state: torch.Tensor, rank: int, world: int, cap: int) -> None:
+    def __init__(self, buf_ptrs: torch.Tensor, state: torch.Tensor, rank: int, world: int, cap: int,
+                 mine: torch.Tensor) -> None:
+        if mine.dtype != torch.int16 or mine.numel() < self.elements(world, cap) or mine.data_ptr() % 16:
+            raise ValueError(f"mine must be this rank's buffer: a 16-byte aligned int16 tensor of at least "
+                             f"{self.elements(world, cap)} elements; got {mine.dtype}, {mine.numel()} elements")
         self.buf_ptrs, self.state, self.rank, self.world, self.cap = buf_ptrs, state, rank, world, cap
+        self.mine = mine
 
     @staticmethod
     def elements(world: int, cap: int) -> int:
@@ -159,7 +172,7 @@ class LamportBuffers:
 def _launch(x, out, res, res_out, nw, eps, bufs: LamportBuffers, norm: bool, grid: int, push: bool,
             reduce: bool) -> None:
     H = x.shape[-1] if norm else 1
-    _lamport_kernel[(grid,)](x, out, res, res_out, nw, float(eps), bufs.buf_ptrs, bufs.state, x.numel(), H,
+    _lamport_kernel[(grid,)](x, out, res, res_out, nw, float(eps), bufs.mine, bufs.buf_ptrs, bufs.state, x.numel(), H,
                              bufs.cap, RANK=bufs.rank, WORLD=bufs.world, BLOCK=BLOCK, NORM=norm,
                              HAS_RES=res is not x, PUSH=push, REDUCE=reduce,
                              ROW_BLOCK=triton.next_power_of_2(H) if norm else 1,
