@@ -51,7 +51,7 @@ DTYPES = (torch.float16, torch.bfloat16)
 def _peer(mine, buf_ptrs, q: tl.constexpr, RANK: tl.constexpr):
     """Rank q's buffer, as this rank's buffer ``mine`` (a pointer argument) plus the distance between the two: Triton
     knows an argument's 16-byte alignment and the offset's divisibility, so the accesses through it compile to
-    16-byte vector accesses; through the address converted to a pointer (as before) every access was a 2-byte one."""
+    16-byte vector accesses; through the address converted to a pointer every access would be a 2-byte one."""
     if q == RANK:
         p = mine
     else:
