@@ -140,3 +140,47 @@ def test_decode_default_plan_fills_the_device(num_sms, group):
                 assert programs * plan.num_splits >= min(4 * num_sms, 32 * programs)
             if group > 1:
                 assert plan.use_dot
+            assert plan.fused_reduce == (not plan.use_dot)  # the last split program combines: dot-free MHA only
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
+def test_decode_default_plan_combines_in_the_split_kernel_for_mha_only(device, monkeypatch, num_heads, num_kv_heads):
+    # the dot-free MHA plan combines the partials in its last split program (no reduce launch); the output equals
+    # the two-kernel path bit for bit (the same combine code), GQA keeps the reduce kernel, and
+    # ROOFLM_DECODE_FUSED_REDUCE=0 restores it for MHA
+    from kernel_checks import make_paged
+
+    import rooflm.kernels.decode_attention as da
+
+    launches = []
+    reduce_kernel = da._decode_reduce_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return reduce_kernel[grid]
+
+    monkeypatch.setattr(da, "_decode_reduce_kernel", Counting())
+    g = torch.Generator().manual_seed(11)
+    lens = [70, 1, 0, 33]
+    cache, tables = make_paged(lens, num_kv_heads, 32, 8, torch.float16, device, gen=g)
+    q = torch.randn(len(lens), num_heads, 32, generator=g).to(torch.float16).to(device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    mha = num_heads == num_kv_heads
+    plan = da.default_plan(len(lens), num_kv_heads, num_heads // num_kv_heads, 132)
+    assert plan.fused_reduce == mha == (not plan.use_dot) and plan.num_splits > 1
+
+    def run(**kw):
+        out = torch.full_like(q, float("nan"))
+        da.paged_decode_attention(q, cache, tables, seq_lens, 0.2, out=out, **kw)
+        return out
+
+    monkeypatch.setattr(da, "device_sms", lambda _t: 132)
+    default = run()
+    assert len(launches) == (0 if mha else 1)
+    two_kernels = run(fused_reduce=False)
+    assert len(launches) == (1 if mha else 2)
+    assert torch.equal(default, two_kernels)
+    monkeypatch.setenv("ROOFLM_DECODE_FUSED_REDUCE", "0")
+    assert torch.equal(run(), two_kernels)
+    assert len(launches) == (2 if mha else 3)

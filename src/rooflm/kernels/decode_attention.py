@@ -45,12 +45,15 @@
 # The kernel reads no host value that changes between steps (only num_splits, chosen from the batch shape), so a
 # decode step that calls it can be captured in a CUDA graph and replayed at any context length. num_splits is a
 # runtime argument (one compile serves every batch size). With fused_reduce=True the last split program of each
-# (sequence, KV head) combines the partials instead of a second kernel (an atomic ticket, one launch): 0.25 us faster
-# for MHA at batch 1, 1k tokens on an H100, but 5-6 us slower for GQA (the last program combines GROUP heads one after
-# another), so it is off by default. pdl=True saved 1.0-1.1 us for GQA at batch 1 (1k and 4k tokens) on an H100 in
-# back-to-back CUDA-graph replays, but cost ~5 us with the default MHA plan (1024 one-warp programs; cause not
-# established), so it is off by default and left to the caller.
+# (sequence, KV head) combines the partials instead of a second kernel (an atomic ticket, one launch): ~1 us faster
+# for MHA at batch 1 with the step's token fused (``default_plan``), but 5-6 us slower for GQA (the last program
+# combines GROUP heads one after another), so only the dot-free MHA plan uses it (None: the plan's choice;
+# ROOFLM_DECODE_FUSED_REDUCE=0 turns it off). pdl=True saved 1.0-1.1 us for GQA at batch 1 (1k and 4k tokens) on
+# an H100 in back-to-back CUDA-graph replays, but cost ~5 us with the default MHA plan (1024 one-warp programs;
+# cause not established), so it is off by default and left to the caller.
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -364,7 +367,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     block_n: int | None = None,
-    fused_reduce: bool = False,
+    fused_reduce: bool | None = None,
     pdl: bool = False,
     use_dot: bool | None = None,
     lanes: bool = False,
@@ -405,6 +408,9 @@ def paged_decode_attention(
         block_n = block_n or (plan.block_n if head_dim <= 128 else min(plan.block_n, 32))
         num_warps = num_warps or plan.num_warps
         num_stages = num_stages or plan.num_stages
+    if fused_reduce is None:
+        fused_reduce = (plan.fused_reduce and use_dot == plan.use_dot and num_splits == plan.num_splits
+                        and os.environ.get("ROOFLM_DECODE_FUSED_REDUCE", "1") != "0")
     use_pdl = bool(pdl) and pdl_supported(q.device)
     k_cache, v_cache = data[0], data[1]
     k_sc, v_sc = (kv_cache.scales[0], kv_cache.scales[1]) if quant else (k_cache, v_cache)  # unread unless quant
