@@ -3,14 +3,13 @@ and reduction, against the tl.dot plan with its separate rotary kernel (as the e
 8 caches. Usage: [SHAPES="1x32x1024 4x32x4096" SPLITS="8 16 32"] PYTHONPATH=src python3 tests/gpu/decode_split_sweep.py
 [OUT.json]"""
 import json
-import math
 import os
 import sys
 
 import torch
 
-from rooflm.kernels.bench import graph_ms
-from rooflm.kernels.decode_attention import NewTokenKV, paged_decode_attention
+from rooflm.kernels.bench import decode_step_inputs, graph_ms
+from rooflm.kernels.decode_attention import paged_decode_attention
 
 rows = []
 dtype = torch.float16
@@ -18,16 +17,9 @@ SHAPES = tuple((b, h, c) for b, h, c in (tuple(int(v) for v in s.split("x")) for
     "SHAPES", "1x20x1024 1x32x1024 1x40x1024 1x32x4096 2x32x1024 2x20x1024 4x32x1024").split()))
 SPLITS = tuple(int(v) for v in os.environ.get("SPLITS", "8 12 17 24 27 32 48").split())
 for batch, heads, ctx in SHAPES:
-    bs, d, layers = 16, 128, 8
-    nblk = batch * math.ceil(ctx / bs) + 1
-    caches = [torch.randn(2, nblk, bs, heads, d, dtype=dtype, device="cuda") for _ in range(layers)]
-    tables = torch.randperm(nblk - 1, device="cuda")[: batch * math.ceil(ctx / bs)].view(batch, -1).int()
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    slots = (tables[:, (ctx - 1) // bs].long() * bs + (ctx - 1) % bs).contiguous()
-    qkv = torch.randn(batch, 3 * heads * d, dtype=dtype, device="cuda")
-    q, k, v = (t.view(batch, -1, d) for t in qkv.split([heads * d] * 3, dim=-1))
-    ang = torch.rand(batch, d // 2, device="cuda") * 6
-    new = NewTokenKV(k, v, ang.cos().to(dtype), ang.sin().to(dtype), slots)
+    d, layers = 128, 8
+    caches, tables, seq_lens, q, new = decode_step_inputs(batch, heads, heads, ctx, dtype, layers, d=d)
+    k, v, slots = new.k, new.v, new.slot_mapping
     res = {}
     for splits in SPLITS:
         for fused in (False, True):

@@ -4,7 +4,7 @@ import torch
 
 from rooflm.quantization.awq import activation_scales, awq_quantize, clip_groups, search_clip, search_scales
 from rooflm.quantization.gptq import HessianAccumulator, gptq_quantize
-from rooflm.quantization.zeropoint import fake_quantize, group_params, quantize_int
+from rooflm.quantization.zeropoint import fake_quantize, group_params, quantize_int, search_group_params
 
 
 def _output_error(x, w, w_hat):
@@ -31,16 +31,17 @@ def test_hessian_accumulates_two_x_transpose_x_over_n():
         HessianAccumulator(3).hessian()
 
 
-@pytest.mark.parametrize("bits,desc_act", [(4, False), (4, True), (8, False)])
-def test_gptq_beats_rtn_on_correlated_inputs(bits, desc_act):
+@pytest.mark.parametrize("bits,desc_act,search", [(4, False, False), (4, True, False), (8, False, False),
+                                                  (4, True, True), (8, False, True)])
+def test_gptq_beats_rtn_on_correlated_inputs(bits, desc_act, search):
     k, n, g = 128, 64, 32
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
     x = _correlated_inputs(2048, k, seed=2)
     x_cal, x_test = x[:1024], x[1024:]  # the test rows were not in the Hessian
     acc = HessianAccumulator(k)
     acc.add(x_cal)
-    q = gptq_quantize(w, acc.hessian(), bits, g, desc_act=desc_act)
-    rtn = quantize_int(w, bits, g)
+    q = gptq_quantize(w, acc.hessian(), bits, g, desc_act=desc_act, search_grid=search)
+    rtn = quantize_int(w, bits, g, search=search)
     gptq_err = _output_error(x_test, w, q.dequantize())
     rtn_err = _output_error(x_test, w, rtn.dequantize())
     assert gptq_err < rtn_err
@@ -64,11 +65,45 @@ def test_gptq_groups_spanning_blocks_match_one_block():
     assert (many.codes != one.codes).float().mean().item() < 0.01
 
 
-def test_gptq_on_uncorrelated_inputs_reduces_to_rtn():
-    """With H a multiple of the identity, the error feedback is zero: GPTQ is round-to-nearest."""
+@pytest.mark.parametrize("search", [False, True])
+def test_gptq_on_uncorrelated_inputs_reduces_to_rtn(search):
+    """With H a multiple of the identity, the error feedback is zero: GPTQ is round-to-nearest (on the same grid)."""
     w = torch.randn(16, 64, generator=torch.Generator().manual_seed(5))
-    q = gptq_quantize(w, torch.eye(64), 4, 32)
-    assert torch.equal(q.codes, quantize_int(w, 4, 32).codes)
+    q = gptq_quantize(w, torch.eye(64), 4, 32, search_grid=search)
+    rtn = quantize_int(w, 4, 32, search=search)
+    assert torch.equal(q.codes, rtn.codes) and torch.equal(q.scales, rtn.scales) and torch.equal(q.zeros, rtn.zeros)
+
+
+@pytest.mark.parametrize("min_zero", [0, 1])
+def test_grid_search_never_loses_and_fixes_an_offset_grid(min_zero):
+    """Groups already on a 4-bit grid whose minimum is not a whole number of steps from 0 (what a GGUF Q4_1 block
+    dequantizes to): the min/max grid with an integer zero point is off by a fraction of a step for the whole
+    group; the searched grid is never worse on any group and better on most of these."""
+    gen = torch.Generator().manual_seed(12)
+    d = torch.rand(64, 1, generator=gen) * 0.02 + 0.01
+    codes = torch.randint(0, 16, (64, 32), generator=gen).float()
+    codes[:, 0], codes[:, 1] = 0, 15  # both ends of the block's grid are used, as Q4_1 quantizes to them
+    offset = -(torch.rand(64, 1, generator=gen) * 10 + 2.2)  # the block minimum, in steps (not whole)
+    w = d * (codes + offset)
+    rand = torch.randn(64, 32, generator=gen)
+    for groups in (w, rand):
+        s0, z0 = group_params(groups, 4, min_zero)
+        s1, z1 = search_group_params(groups, 4, min_zero)
+        e0 = (fake_quantize(groups, 4, 32, min_zero) - groups).square().sum(-1)
+        q1 = (torch.round(groups / s1[:, None]) + z1[:, None]).clamp(0, 15)
+        e1 = ((q1 - z1[:, None]) * s1[:, None] - groups).square().sum(-1)
+        assert (e1 <= e0 * (1 + 1e-6)).all()
+        assert torch.equal(s1, s1.half().float()) and torch.equal(z1, z1.round())
+        assert ((z1 >= min_zero) & (z1 <= 15)).all()
+        assert torch.equal(quantize_int(groups, 4, 32, min_zero, search=True).scales.squeeze(-1), s1)
+    assert (e1 < e0).float().mean() < 1  # random groups: some keep the min/max grid
+    s0, z0 = group_params(w, 4, min_zero)
+    s1, z1 = search_group_params(w, 4, min_zero)
+    e_minmax = (fake_quantize(w, 4, 32, min_zero) - w).square().sum()
+    e_search = (quantize_int(w, 4, 32, min_zero, search=True).dequantize() - w).square().sum()
+    assert e_search < 0.7 * e_minmax
+    with pytest.raises(ValueError, match="n_scales=0"):
+        search_group_params(w, 4, n_scales=0)
 
 
 def test_gptq_bad_arguments_name_the_field():

@@ -76,7 +76,7 @@ def test_quantize_model_covers_every_hf_projection(tmp_path, method):
     assert q.codes.shape == (cfg.num_key_value_heads * cfg.head_dim, cfg.hidden_size)
     rows = slice(cfg.num_attention_heads * cfg.head_dim, (cfg.num_attention_heads + 2) * cfg.head_dim)
     if method == "rtn":  # k_proj is its row range of the fused qkv_proj
-        assert torch.equal(q.codes, quantize_int(float_w[rows], 4, 32).codes)
+        assert torch.equal(q.codes, quantize_int(float_w[rows], 4, 32, search=True).codes)  # the default grid
     elif method == "gptq":  # error feedback moves weights by more than a step, but far less than other rows differ
         err = (q.dequantize() - float_w[rows]).abs().mean()
         assert err < 0.25 * (q.dequantize() - float_w[: rows.stop - rows.start]).abs().mean()
@@ -130,6 +130,7 @@ def test_cli_writes_what_the_algorithm_produced(tmp_path, method, extra):
     (["--seq-len", "100000"], "--seq-len"),
     (["--method", "gptq", "--calib", "no-such-file.txt"], "--calib"),
     (["--method", "rtn", "--calib", __file__], "--calib"),
+    (["--method", "gptq", "--calib", __file__, "missing-second.txt"], "--calib"),
 ])
 def test_cli_bad_flags_name_the_flag(tmp_path, capsys, argv, flag):
     path = _config(tmp_path)
@@ -141,6 +142,23 @@ def test_cli_bad_flags_name_the_flag(tmp_path, capsys, argv, flag):
     err = capsys.readouterr().err
     assert flag in err and argv[-1] in err
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_cli_joins_several_calibration_files_in_order(tmp_path):
+    from safetensors.torch import load_file
+
+    path = _config(tmp_path)
+    a, b, ab = tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "ab.txt"
+    a.write_text("In the beginning was the word. " * 20)
+    b.write_text("It is a truth universally acknowledged. " * 20)
+    ab.write_text(a.read_text() + "\n\n" + b.read_text())
+    outs = {}
+    for name, files in (("two", [str(a), str(b)]), ("joined", [str(ab)]), ("one", [str(a)])):
+        assert main(["quantize", path, "--method", "gptq", "--group-size", "32", "--num-samples", "4", "--seq-len",
+                     "64", "--calib", *files, "--out", str(tmp_path / name)]) == 0
+        outs[name] = load_file(str(tmp_path / name / "model.safetensors"))
+    assert all(torch.equal(t, outs["joined"][n]) for n, t in outs["two"].items())
+    assert not all(torch.equal(t, outs["one"][n]) for n, t in outs["two"].items())
 
 
 @pytest.mark.parametrize("method,bits", [("gptq", 8), ("awq", 4), ("rtn", 8)])
@@ -169,7 +187,9 @@ def test_written_checkpoint_dequantized_computes_the_float_model(tmp_path, metho
     assert (_logits(shuffled, cfg, ids) - want).abs().max().item() > err
 
 
-def test_cli_reads_a_hf_folder_and_copies_its_tokenizer_files(tmp_path):
+@pytest.mark.parametrize("search", [True, False])
+def test_cli_reads_a_hf_folder_and_copies_its_tokenizer_files(tmp_path, search):
+    # --no-grid-search: each group's grid from its min and max (the searched grid is the default)
     from safetensors.torch import save_file
 
     model, _ = _load(_config(tmp_path))
@@ -179,14 +199,16 @@ def test_cli_reads_a_hf_folder_and_copies_its_tokenizer_files(tmp_path):
     save_file({n: t.view().contiguous() for n, t in model.weight_targets().items()}, str(src / "model.safetensors"))
     (src / "generation_config.json").write_text('{"do_sample": false}')  # copied; no tokenizer to load
     out = tmp_path / "out"
-    assert main(["quantize", str(src), "--method", "rtn", "--group-size", "-1", "--out", str(out)]) == 0
+    assert main(["quantize", str(src), "--method", "rtn", "--group-size", "-1", "--out", str(out),
+                 *([] if search else ["--no-grid-search"])]) == 0
     assert (out / "generation_config.json").read_text() == '{"do_sample": false}'
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["group_size"] == -1
     read = dict(iter_quantized_safetensors([str(out / "model.safetensors")], qc, torch.float32))
     pw = read["model.layers.0.mlp.down_proj.weight"]
     assert pw.group_size == TINY["intermediate_size"] and pw.scales.shape == (TINY["hidden_size"], 1)
-    ref = quantize_int(model.model.layers[0].mlp.down_proj.weight, 4, TINY["intermediate_size"], min_zero=1)
+    ref = quantize_int(model.model.layers[0].mlp.down_proj.weight, 4, TINY["intermediate_size"], min_zero=1,
+                       search=search)
     assert torch.equal(pw.qweight, ref.to_packed(torch.float32).qweight)
 
 

@@ -137,27 +137,36 @@ def decode_attention_bench(dtype=torch.float16) -> list[dict]:
     return rows
 
 
+def decode_step_inputs(batch: int, heads: int, kv_heads: int, ctx: int, dtype=torch.float16, layers: int = 8,
+                       bs: int = 16, d: int = 128):
+    """Random inputs of one decode step per layer at context ``ctx``: (caches, tables, seq_lens, q, NewTokenKV), the
+    caches one per layer (together larger than the L2), the new token's slot the last position of each sequence."""
+    from rooflm.kernels.decode_attention import NewTokenKV
+
+    nblk = batch * math.ceil(ctx / bs) + 1
+    caches = [torch.randn(2, nblk, bs, kv_heads, d, dtype=dtype, device="cuda") for _ in range(layers)]
+    tables = torch.randperm(nblk - 1, device="cuda")[: batch * math.ceil(ctx / bs)].view(batch, -1).int()
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    slots = (tables[:, (ctx - 1) // bs].long() * bs + (ctx - 1) % bs).contiguous()
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * d, dtype=dtype, device="cuda")
+    q, k, v = (t.view(batch, -1, d) for t in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
+    angles = torch.rand(batch, d // 2, device="cuda") * 6
+    return caches, tables, seq_lens, q, NewTokenKV(k, v, angles.cos().to(dtype), angles.sin().to(dtype), slots)
+
+
 def decode_rope_bench(dtype=torch.float16) -> list[dict]:
     """A decode layer's rotary + cache write and attention: the rotary kernel then decode attention, against decode
     attention doing both (``NewTokenKV``); CUDA-graph replays over 8 caches (as 8 layers), per layer."""
     from rooflm.kernels._utils import device_sms
-    from rooflm.kernels.decode_attention import NewTokenKV, default_plan, paged_decode_attention
+    from rooflm.kernels.decode_attention import default_plan, paged_decode_attention
     from rooflm.kernels.kv_cache import rotary_write_kv_cache
 
     rows = []
     shapes = [(b, h, kvh, c) for b in (1, 2, 4, 8, 16, 32) for h, kvh in ((32, 32), (32, 8)) for c in (1024, 4096)]
     for batch, heads, kv_heads, ctx in [(1, 20, 20, 1024), (1, 40, 40, 1024), (8, 32, 8, 8192)] + shapes:
-        bs, d, layers = 16, 128, 8
-        nblk = batch * math.ceil(ctx / bs) + 1
-        caches = [torch.randn(2, nblk, bs, kv_heads, d, dtype=dtype, device="cuda") for _ in range(layers)]
-        tables = torch.randperm(nblk - 1, device="cuda")[: batch * math.ceil(ctx / bs)].view(batch, -1).int()
-        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-        slots = (tables[:, (ctx - 1) // bs].long() * bs + (ctx - 1) % bs).contiguous()
-        qkv = torch.randn(batch, (heads + 2 * kv_heads) * d, dtype=dtype, device="cuda")
-        q, k, v = (t.view(batch, -1, d) for t in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
-        angles = torch.rand(batch, d // 2, device="cuda") * 6
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-        new = NewTokenKV(k, v, cos, sin, slots)
+        d, layers = 128, 8
+        caches, tables, seq_lens, q, new = decode_step_inputs(batch, heads, kv_heads, ctx, dtype, layers, d=d)
+        k, v, cos, sin, slots = new.k, new.v, new.cos, new.sin, new.slot_mapping
         two = [lambda c=c: (rotary_write_kv_cache(q, k, v, None, cos, sin, c, slots),
                             paged_decode_attention(q, c, tables, seq_lens, d ** -0.5)) for c in caches]
         one = [lambda c=c: paged_decode_attention(q, c, tables, seq_lens, d ** -0.5, new_kv=new) for c in caches]

@@ -44,8 +44,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "every projection); -1: one scale per output channel")
     p.add_argument("--desc-act", action="store_true", help="GPTQ act-order: quantize columns by decreasing Hessian "
                                                             "diagonal")
-    p.add_argument("--calib", default=None, metavar="FILE",
-                   help="calibration text file (default: the shipped King James Bible excerpt)")
+    p.add_argument("--no-grid-search", dest="grid_search", action="store_false",
+                   help="rtn / gptq: take each group's scale and zero point from its min and max (faster) instead of "
+                        "searching the pair with the smallest squared error")
+    p.add_argument("--calib", default=None, metavar="FILE", nargs="+",
+                   help="calibration text file(s), joined in order (default: the shipped King James Bible excerpt); "
+                        "text like what the model will be used on calibrates best")
     p.add_argument("--num-samples", type=_positive("--num-samples"), default=16, help="calibration windows")
     p.add_argument("--seq-len", type=_positive("--seq-len"), default=256, help="tokens per calibration window")
     p.add_argument("--format", dest="fmt", choices=("gptq", "awq"), default=None,
@@ -81,9 +85,10 @@ def check_args(args: argparse.Namespace) -> str:
     if args.desc_act and fmt == "awq":
         raise ValueError("--desc-act: the AWQ format has no g_idx (use --format gptq)")
     if args.calib is not None and args.method == "rtn":
-        raise ValueError(f"--calib {args.calib}: --method rtn uses no calibration data")
-    if args.calib is not None and not os.path.isfile(args.calib):
-        raise FileNotFoundError(f"--calib {args.calib}: no such file")
+        raise ValueError(f"--calib {' '.join(args.calib)}: --method rtn uses no calibration data")
+    for path in args.calib or ():
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--calib {path}: no such file")
     config = os.path.join(args.model, "config.json")
     if os.path.isfile(config):
         with open(config) as f:
@@ -134,11 +139,13 @@ def _run(args: argparse.Namespace, fmt: str) -> int:
         raise ValueError(f"--group-size {args.group_size}: {e}") from None
     qcfg = QuantizeConfig(method=args.method, bits=args.bits, group_size=args.group_size, desc_act=args.desc_act,
                           num_samples=args.num_samples, seq_len=args.seq_len, seed=args.seed,
+                          search_grid=args.grid_search,
                           min_zero=1 if fmt == "gptq" and args.checkpoint_format == "gptq" else 0)
     tokenizer = None if source == "dummy" else load_tokenizer(path)
     windows = None
     if qcfg.needs_calibration:
-        ids = tokenize_calibration(read_calibration_text(args.calib), tokenizer, cfg.vocab_size)
+        text = "\n\n".join(read_calibration_text(f) for f in args.calib) if args.calib else read_calibration_text()
+        ids = tokenize_calibration(text, tokenizer, cfg.vocab_size)
         try:
             windows = calibration_windows(ids, args.num_samples, args.seq_len)
         except ValueError as e:

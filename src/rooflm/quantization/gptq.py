@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from rooflm.quantization.formats import IntQuant
-from rooflm.quantization.zeropoint import group_params, quantize_codes
+from rooflm.quantization.zeropoint import group_params, quantize_codes, search_group_params
 
 
 class HessianAccumulator:
@@ -44,9 +44,12 @@ class HessianAccumulator:
 
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int, desc_act: bool = False,
-                  percdamp: float = 0.01, blocksize: int = 128, min_zero: int = 0) -> IntQuant:
+                  percdamp: float = 0.01, blocksize: int = 128, min_zero: int = 0,
+                  search_grid: bool = False) -> IntQuant:
     """GPTQ-quantize float w [N, K] given the layer's Hessian [K, K]. Returns the codes, float16-exact scales,
-    integer zero points and (with ``desc_act``) g_idx, in input-feature order."""
+    integer zero points and (with ``desc_act``) g_idx, in input-feature order. ``search_grid``: each group's grid
+    from ``search_group_params`` (the smallest squared error of the group's current weights) instead of their min
+    and max."""
     if bits not in (4, 8):
         raise ValueError(f"bits={bits} is not supported: expected 4 or 8")
     n, k = w.shape
@@ -74,13 +77,13 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size:
         # save, tenfold on a busy machine
         torch.set_num_threads(1)
     try:
-        return _column_loop(W, U, perm, bits, group_size, blocksize, min_zero)
+        return _column_loop(W, U, perm, bits, group_size, blocksize, min_zero, search_grid)
     finally:
         torch.set_num_threads(threads)
 
 
 def _column_loop(W: torch.Tensor, U: torch.Tensor, perm: torch.Tensor | None, bits: int, group_size: int,
-                 blocksize: int, min_zero: int) -> IntQuant:
+                 blocksize: int, min_zero: int, search_grid: bool = False) -> IntQuant:
     """Algorithm 1 of the paper on W (columns already in processing order) with U = chol(H^-1) upper."""
     n, k = W.shape
     groups = k // group_size
@@ -98,7 +101,7 @@ def _column_loop(W: torch.Tensor, U: torch.Tensor, perm: torch.Tensor | None, bi
                 # the group's current weights: this block's updated columns, then later blocks' pending ones
                 end = col + group_size
                 cur = torch.cat([W1[:, i:min(i2 - i1, end - i1)], W[:, i2:max(i2, end)]], dim=1)
-                s, z = group_params(cur, bits, min_zero)
+                s, z = (search_group_params if search_grid else group_params)(cur, bits, min_zero)
                 scales[:, col // group_size], zeros[:, col // group_size] = s, z
             s, z = scales[:, col // group_size], zeros[:, col // group_size]
             wcol = W1[:, i]
