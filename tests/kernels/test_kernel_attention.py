@@ -184,3 +184,18 @@ def test_decode_default_plan_combines_in_the_split_kernel_for_mha_only(device, m
     monkeypatch.setenv("ROOFLM_DECODE_FUSED_REDUCE", "0")
     assert torch.equal(run(), two_kernels)
     assert len(launches) == (2 if mha else 3)
+
+
+def test_fused_reduce_tickets_outgrown_stay_allocated(monkeypatch):
+    # a CUDA graph captured with the ticket buffer keeps its address: growing the buffer must not free the old one
+    import rooflm.kernels.decode_attention as da
+
+    monkeypatch.setattr(da, "_counters", {})
+    monkeypatch.setattr(da, "_retired_counters", [])
+    dev = torch.device("cpu")
+    small = da._counter_buffer(dev, 10)
+    assert small.numel() >= 10 and not small.any()
+    assert da._counter_buffer(dev, 20) is small
+    big = da._counter_buffer(dev, small.numel() + 1)
+    assert big is not small and big.numel() > small.numel()
+    assert any(t is small for t in da._retired_counters)

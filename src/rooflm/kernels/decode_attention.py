@@ -46,7 +46,8 @@
 # decode step that calls it can be captured in a CUDA graph and replayed at any context length. num_splits is a
 # runtime argument (one compile serves every batch size). With fused_reduce=True the last split program of each
 # (sequence, KV head) combines the partials instead of a second kernel (an atomic ticket, one launch): ~1 us faster
-# for MHA at batch 1 with the step's token fused (``default_plan``), but 5-6 us slower for GQA (the last program
+# for MHA at batch 1 with the step's token fused on an H200 (a tie in isolation on an H100, where the decode step
+# still measured 0.5-0.9% shorter; ``default_plan``), but 5-6 us slower for GQA (the last program
 # combines GROUP heads one after another), so only the dot-free MHA plan uses it (None: the plan's choice;
 # ROOFLM_DECODE_FUSED_REDUCE=0 turns it off). pdl=True saved 1.0-1.1 us for GQA at batch 1 (1k and 4k tokens) on
 # an H100 in back-to-back CUDA-graph replays, but cost ~5 us with the default MHA plan (1024 one-warp programs;
@@ -337,15 +338,19 @@ def _decode_reduce_kernel(
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
+_retired_counters: list[torch.Tensor] = []  # grown out of; still referenced by captured CUDA graphs
 
 
 def _counter_buffer(device: torch.device, n: int) -> torch.Tensor | None:
     """Zeroed int32 tickets for the fused reduction, kept per device (each launch leaves them at zero). None inside
-    a CUDA-graph capture when the buffer would have to grow there (the caller then uses the reduce kernel)."""
+    a CUDA-graph capture when the buffer would have to grow there (the caller then uses the reduce kernel). A buffer
+    that grows is never freed: CUDA graphs captured earlier keep writing to the old one."""
     buf = _counters.get(device)
     if buf is None or buf.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
+        if buf is not None:
+            _retired_counters.append(buf)
         buf = _counters[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return buf
 
