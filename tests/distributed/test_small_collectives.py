@@ -143,3 +143,34 @@ def test_the_reducing_norm_fuses_where_the_communicator_can_and_reduces_then_nor
         native = AllReduceRMSNorm(norms[4])
     out, _ = native(x4, r4)  # the reference path never fuses
     assert torch.equal(out, add_rms_norm(x4 * 2, r4, norms[4].weight, 1e-6)[0]) and state.one_shot.fused == [(3, 4)]
+
+
+def test_counts_agree_only_when_every_rank_has_the_same(monkeypatch):
+    """A second engine's rank 0 has made one symmetric-memory rendezvous more than its fresh workers: the counts
+    differ and the engine takes NCCL (PyTorch's exchange keys would not meet); equal counts keep the fast path."""
+    others: list[int] = []
+    calls = []
+
+    def all_reduce_min(v):  # the other ranks pass their count, then its negation, as this rank does
+        sign = -1 if len(calls) % 2 else 1
+        calls.append(v)
+        return min([v] + [sign * o for o in others])
+
+    monkeypatch.setattr(ps, "all_reduce_min", all_reduce_min)
+    others[:] = [0]
+    assert ps.counts_agree(0) and not ps.counts_agree(1)
+    others[:] = [2, 2]
+    assert ps.counts_agree(2) and not ps.counts_agree(0) and not ps.counts_agree(3)
+    monkeypatch.undo()
+    assert ps.counts_agree(5)  # no process group: one rank agrees with itself
+
+
+def test_rendezvous_is_counted_only_when_started(monkeypatch):
+    """The CPU and ROOFLM_TP_ALLREDUCE=nccl return before any exchange: the count does not move."""
+    from rooflm.distributed import small_collectives as sc
+
+    before = sc.rendezvous_count()
+    assert OneShotAllReduce.create(None, torch.device("cpu")) is None
+    monkeypatch.setenv("ROOFLM_TP_ALLREDUCE", "nccl")
+    assert OneShotAllReduce.create(None, torch.device("cuda", 0)) is None
+    assert sc.rendezvous_count() == before

@@ -114,3 +114,78 @@ def test_shutdown_aborts_the_group_when_a_worker_had_to_be_killed(stubborn, monk
     executor.shutdown(timeout_s=0.2 if stubborn else 30.0)
     assert proc.exitcode == (-signal.SIGTERM if stubborn else 0)
     assert teardown == (["abandon"] if stubborn else ["destroy"])
+
+
+def test_before_leaving_runs_each_release_once_before_the_group_is_left(monkeypatch):
+    """Callbacks registered with before_leaving run once, with clean=True on destroy and False on abandon, before
+    the process group is torn down; one that raises does not stop the others or the teardown."""
+    import torch.distributed as dist
+
+    from rooflm.distributed import parallel_state as ps
+
+    from types import SimpleNamespace
+
+    order = []
+    monkeypatch.setattr(ps, "_BEFORE_LEAVING", [])
+    monkeypatch.setattr(ps, "_STATE", SimpleNamespace(backend="gloo"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: order.append("destroy_process_group"))
+
+    def failing(clean):
+        order.append(("failing", clean))
+        raise RuntimeError("boom")
+
+    ps.before_leaving(failing)
+    ps.before_leaving(lambda clean: order.append(("release", clean)))
+    ps.destroy_distributed()
+    assert order == [("failing", True), ("release", True), "destroy_process_group"]
+    order.clear()
+    ps.destroy_distributed()  # released already, and no group left
+    assert order == []
+    ps.before_leaving(lambda clean: order.append(("release", clean)))
+    ps.abandon_distributed()  # no group: only the release
+    assert order == [("release", False)]
+
+
+def test_decode_graph_runner_release_drops_every_graph():
+    """release() empties the runner (it then runs nothing) and is idempotent; it needs no device sync on the CPU."""
+    import torch
+
+    from rooflm.attention.metadata_utils import single_sequence_metadata
+    from rooflm.worker.cuda_graphs import DecodeGraphRunner
+
+    runner = DecodeGraphRunner(torch.nn.Identity(), [], max_batch=4, max_blocks=8, device=torch.device("cpu"))
+    runner.graphs = {(1, 1): ("graph", None, None), (4, 1): ("graph", None, None), (4, 2): ("graph", None, None)}
+    runner.sizes, runner.verify_sizes = [1, 4], {2: [4]}
+    meta, _ = single_sequence_metadata(0, 1, 16)
+    assert runner.can_run(meta)
+    runner.release(sync=False)
+    assert runner.graphs == {} and runner.sizes == [] and runner.verify_sizes == {}
+    assert not runner.can_run(meta)
+    runner.release()
+    assert runner.graphs == {}
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_an_nccl_group_is_left_by_a_local_abort(failed, monkeypatch):
+    """NCCL's orderly teardown waits for every rank's, and an engine's ranks leave one after another: an NCCL group
+    is aborted on both ways out (after the device finished its work on the orderly one), never destroyed; a gloo
+    group is destroyed (its teardown is local)."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from rooflm.distributed import parallel_state as ps
+
+    calls = []
+    monkeypatch.setattr(ps, "_BEFORE_LEAVING", [lambda clean: calls.append(("release", clean))])
+    monkeypatch.setattr(ps, "_STATE", SimpleNamespace(backend="nccl", device="cuda:1"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: calls.append("destroy"))
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", lambda *a: calls.append("abort"),
+                        raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("sync", device)))
+    (ps.abandon_distributed if failed else ps.destroy_distributed)()
+    want = [("release", not failed)] + ([] if failed else [("sync", "cuda:1")]) + ["abort"]
+    assert calls == want and ps.get_state() is None

@@ -3,10 +3,12 @@ devices. float32 random weights of the default model's architecture, written onc
 every rank slices (random weights drawn per rank would differ between TP=1 and TP=2; a GPU machine need not have the
 model package), on the default GPU path (Triton kernels, asynchronous scheduling), so a token can differ only where
 two logits nearly tie; the logprobs are compared within 1e-3. Tensor parallelism with NCCL and with one-shot
-all-reduces, and with its decode CUDA graphs (one-shot all-reduces captured)."""
+all-reduces, and with its decode CUDA graphs (one-shot all-reduces captured); every worker must exit on the stop
+message. Each multi-GPU engine runs in a new process, as under ``rooflm serve``: a process that set up peer-memory
+all-reduces for one engine gives the next NCCL (PyTorch's symmetric-memory exchange is numbered per process)."""
 from __future__ import annotations
 
-import os
+import traceback
 
 import pytest
 import torch
@@ -36,16 +38,15 @@ def checkpoint(tmp_path_factory) -> str:
     return str(folder)
 
 
-_PATHS: dict = {}  # (tp, ROOFLM_TP_ALLREDUCE, ROOFLM_TP_CUDA_GRAPHS) -> (one-shot used, graphs replayed)
-
-
-def _generate(checkpoint: str, tp: int, pp: int = 1,
-              dtype: str = "float32") -> list[tuple[list[int], list[dict[int, float]]]]:
+def _generate(checkpoint: str, tp: int, pp: int = 1, dtype: str = "float32"):
+    """Greedy tokens and logprobs of PROMPTS, and (for tp > 1) which paths rank 0's steps took: (one-shot
+    all-reduces used, decode graphs replayed, Lamport kernels set up)."""
     from rooflm import LLM
     from rooflm.sampling_params import SamplingParams
 
     llm = LLM(checkpoint, dtype=dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp, show_progress=False,
               kv_cache_memory=256 * 2**20, max_model_len=512)
+    paths = None
     try:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, logprobs=1), use_tqdm=False)
         if tp > 1:  # rank 0 runs in this process: check which paths its steps took
@@ -53,17 +54,47 @@ def _generate(checkpoint: str, tp: int, pp: int = 1,
 
             one_shot = get_state().one_shot
             graphs = llm.engine.runner.graph_runner
-            _PATHS[tp, os.environ.get("ROOFLM_TP_ALLREDUCE"), os.environ.get("ROOFLM_TP_CUDA_GRAPHS")] = (
-                one_shot is not None and one_shot.calls > 0, graphs is not None and graphs.replays > 0)
-            _PATHS["lamport"] = one_shot is not None and one_shot.lamport is not None
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+            paths = (one_shot is not None and one_shot.calls > 0, graphs is not None and graphs.replays > 0,
+                     one_shot is not None and one_shot.lamport is not None)
     finally:
         llm.shutdown()
+    if tp * pp > 1:  # every worker left on the stop message; one terminated after the grace (a hung teardown) fails
+        assert [p.exitcode for p in llm.engine.parallel.procs] == [0] * (tp * pp - 1)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], paths
+
+
+def _child(checkpoint: str, tp: int, pp: int, dtype: str, conn) -> None:
+    try:
+        conn.send(("ok", _generate(checkpoint, tp, pp, dtype)))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+
+
+def _generate_fresh(checkpoint: str, tp: int, pp: int = 1, dtype: str = "float32", timeout_s: float = 600.0):
+    """``_generate`` in a new process (it inherits the environment); a run past ``timeout_s`` fails the test."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(checkpoint, tp, pp, dtype, send))
+    proc.start()
+    send.close()
+    if not recv.poll(timeout_s):
+        proc.kill()
+        proc.join()
+        pytest.fail(f"tp={tp} pp={pp} {dtype}: no result within {timeout_s:.0f} s")
+    status, value = recv.recv()
+    proc.join(60)
+    if status != "ok":
+        pytest.fail(value)
+    return value
 
 
 @pytest.fixture(scope="module")
 def one_gpu(checkpoint):
-    return _generate(checkpoint, 1)
+    return _generate(checkpoint, 1)[0]
 
 
 @pytest.mark.parametrize("tp,pp,allreduce,graphs", [(2, 1, "nccl", "0"), (2, 1, "auto", "0"), (2, 1, "auto", "auto"),
@@ -72,9 +103,9 @@ def test_two_gpus_give_the_greedy_tokens_of_one(checkpoint, one_gpu, tp, pp, all
     # read by rank 0 and by the workers it spawns: NCCL or one-shot all-reduces; decode CUDA graphs off or automatic
     monkeypatch.setenv("ROOFLM_TP_ALLREDUCE", allreduce)
     monkeypatch.setenv("ROOFLM_TP_CUDA_GRAPHS", graphs)
-    got = _generate(checkpoint, tp, pp)
+    got, paths = _generate_fresh(checkpoint, tp, pp)
     if tp > 1:
-        assert _PATHS[tp, allreduce, graphs] == (allreduce == "auto", graphs == "auto")
+        assert paths[:2] == (allreduce == "auto", graphs == "auto")
     for (ref_ids, ref_lp), (ids, lp) in zip(one_gpu, got):
         assert ids == ref_ids
         for a, b in zip(ref_lp, lp):
@@ -87,11 +118,11 @@ def test_lamport_all_reduce_and_fused_norm_give_the_barrier_kernels_tokens_in_fl
     another order) may differ: the same greedy tokens, logprobs within 1e-2."""
     monkeypatch.setenv("ROOFLM_TP_CUDA_GRAPHS", "auto")
     monkeypatch.setenv("ROOFLM_TP_ALLREDUCE", "triton")
-    ref = _generate(checkpoint, 2, dtype="float16")
-    assert _PATHS["lamport"] is False
+    ref, paths = _generate_fresh(checkpoint, 2, dtype="float16")
+    assert paths == (True, True, False)
     monkeypatch.setenv("ROOFLM_TP_ALLREDUCE", "auto")
-    got = _generate(checkpoint, 2, dtype="float16")
-    assert _PATHS["lamport"] is True and _PATHS[2, "auto", "auto"] == (True, True)
+    got, paths = _generate_fresh(checkpoint, 2, dtype="float16")
+    assert paths == (True, True, True)
     for (ref_ids, ref_lp), (ids, lp) in zip(ref, got):
         assert ids == ref_ids
         for a, b in zip(ref_lp, lp):

@@ -31,7 +31,8 @@ def _configs():
     from rooflm.kernels.quant_gemv import QuantGemvConfig
 
     return [None, QuantGemvConfig(16, 4, 3), QuantGemvConfig(32, 16, 1), QuantGemvConfig(8, 64, 2),
-            QuantGemvConfig(16, 128, 1)]
+            QuantGemvConfig(16, 128, 1), QuantGemvConfig(16, 4, 3, prefetch=True),
+            QuantGemvConfig(8, 16, 1, prefetch=True), QuantGemvConfig(16, 128, 1, prefetch=True)]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -147,4 +148,58 @@ def test_supports_agrees_with_the_tiles():
         assert supports(x, pw) == (default_gemv_config(8, 96, 4, group, 8) is not None), group
     pw = make_packed(8, 96, 4, 32, mins=False, perm=False, dtype=torch.float16, device="cpu")
     assert not supports(torch.zeros(2, 96, dtype=torch.float16), pw), "one row only"
-    assert not supports(x, make_packed(8, 96, 8, 32, mins=False, perm=False, dtype=torch.float16, device="cpu"))
+    for group in (2, 4, 6, 32, 96):  # 8-bit codes: four a word
+        pw = make_packed(8, 96, 8, group, mins=False, perm=False, dtype=torch.float16, device="cpu")
+        assert supports(x, pw) == (group % 4 == 0 or group == 96), group
+
+
+def test_pick_gemv_static_choice_off_cuda(monkeypatch):
+    """Without CUDA (and with ROOFLM_QUANT_GEMV=default) nothing is timed: the word GEMV with the static tiles at 4
+    bits, the general kernel (None) at 8; a bad ROOFLM_QUANT_GEMV is named."""
+    import rooflm.kernels.quant_gemv as qv
+
+    monkeypatch.setattr(qv, "_gemv_picked", {})
+    monkeypatch.setattr(qv, "fastest", lambda *a, **kw: pytest.fail("timed off CUDA"))
+    x = torch.zeros(1, 256, dtype=torch.float16)
+    pw4 = make_packed(40, 256, 4, 64, mins=True, perm=False, dtype=torch.float16, device="cpu")
+    pw8 = make_packed(40, 256, 8, 256, mins=False, perm=False, dtype=torch.float16, device="cpu")
+    assert qv.pick_gemv(x, pw4, None) == qv.default_gemv_config(40, 256, 4, 64, qv.device_sms(x))
+    assert qv.pick_gemv(x, pw8, None) is None
+    monkeypatch.setattr(qv, "_gemv_picked", {})
+    monkeypatch.setenv("ROOFLM_QUANT_GEMV", "fast")
+    with pytest.raises(ValueError, match="ROOFLM_QUANT_GEMV='fast'"):
+        qv.pick_gemv(x, pw4, None)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fastest_takes_the_smallest_time_and_every_candidate_runs(device, bits):
+    """``fastest`` with a scripted timer: each candidate's call runs, the smallest time wins, ties go to the first
+    (the static choice). The candidates' tiles fit the groups, and each computes the product (against the twin)."""
+    from rooflm.kernels.quant_gemm import quant_linear
+    from rooflm.kernels.quant_gemv import fastest, gemv_candidates, launch_gemv, tile_groups
+    from rooflm.quantization.packed import quant_linear_reference
+
+    n, k, group = (40, 256, 64) if device == "cpu" else (1029, 4096, 128)
+    group = group if bits == 4 else k
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    cands = gemv_candidates(n, k, bits, group, sms=8)
+    assert len(cands) >= 3 and (cands[0] is None) == (bits == 8)
+    assert all(c is None or tile_groups(c.words, k, bits, group) is not None for c in cands)
+    pw = make_packed(n, k, bits, group, mins=bits == 4, perm=False, dtype=dtype, device=device, seed=bits)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+    for winner in range(len(cands)):
+        times = iter([2.0 if i != winner else 1.0 for i in range(len(cands))])
+        calls = []
+
+        def timer(call, weights, dev):
+            calls.append(call(weights[0]).shape)
+            return next(times)
+
+        assert fastest(x, pw, None, cands, timer) is cands[winner]
+        assert calls == [(1, n)] * len(cands)
+    ties = iter([1.0] * len(cands))
+    assert fastest(x, pw, None, cands, lambda call, w, d: next(ties)) is cands[0]
+    ref = quant_linear_reference(x.double(), pw, None)
+    for c in cands:
+        got = quant_linear(x, pw) if c is None else launch_gemv(x, pw, None, c)
+        assert ((got.double() - ref).norm() / ref.norm()).item() < LIMIT[dtype], c

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,24 +135,67 @@ def init_distributed(world_size: int, rank: int, init_method: str, device: torch
     _STATE = ParallelState(world_size, rank, device, backend, device_group, cpu_group, pp_size, tp_group,
                            bool(expert_parallel))
     if backend == "nccl" and _STATE.tp_size > 1:
-        from rooflm.distributed.small_collectives import OneShotAllReduce
+        from rooflm.distributed.small_collectives import OneShotAllReduce, rendezvous_count
 
         token = [uuid.uuid4().hex if rank == 0 else ""]  # names this engine's symmetric memory (symmetric_name)
         dist.broadcast_object_list(token, src=0, group=cpu_group)
-        # a collective over this stage's ranks, at the same point on every rank
-        _STATE.one_shot = OneShotAllReduce.create(_STATE.tp_group, device, token=token[0])
+        if counts_agree(rendezvous_count()):  # else the buffer exchange would never meet (see rendezvous_count)
+            # a collective over this stage's ranks, at the same point on every rank
+            _STATE.one_shot = OneShotAllReduce.create(_STATE.tp_group, device, token=token[0])
+        elif rank == 0:
+            logging.getLogger(__name__).warning(
+                "this process set up peer-memory all-reduces for an earlier engine and its new workers have not: "
+                "PyTorch's symmetric-memory exchange would not meet (pytorch/pytorch issue 196082), so every "
+                "all-reduce of this engine goes through NCCL; start one tensor-parallel engine per process for "
+                "the faster path")
         if all_reduce_min(int(_STATE.one_shot is not None)) == 0:  # one path for all ranks, or their collectives
             _STATE.one_shot = None                                 # would not meet
     return _STATE
 
 
+# Called with clean=True / False just before this process leaves its process group (see ``before_leaving``).
+_BEFORE_LEAVING: list[Callable[[bool], None]] = []
+
+
+def before_leaving(fn: Callable[[bool], None]) -> None:
+    """Run ``fn(clean)`` once, before this process leaves its process group: ``clean`` True on the orderly way out
+    (``destroy_distributed``), False after a peer failed (``abandon_distributed``).
+
+    For CUDA graphs that may hold collectives: NCCL counts, per communicator, the graphs that captured one of its
+    operations, and its teardown (``ncclCommDestroy`` and ``ncclCommAbort`` alike) waits until those graphs are
+    destroyed. A process that still holds them when it leaves the group never returns from the teardown, so the
+    decode graphs are released here first."""
+    _BEFORE_LEAVING.append(fn)
+
+
+def _run_before_leaving(clean: bool) -> None:
+    fns = list(_BEFORE_LEAVING)
+    _BEFORE_LEAVING.clear()
+    for fn in fns:
+        try:
+            fn(clean)
+        except Exception as e:  # noqa: BLE001 - leaving the group must not fail on a release
+            logging.getLogger(__name__).warning("release before leaving the process group failed: %s: %s",
+                                                type(e).__name__, e)
+
+
 def destroy_distributed() -> None:
-    """Leave the process group (a no-op when none was joined)."""
+    """Leave the process group (a no-op when none was joined), after the ``before_leaving`` callbacks.
+
+    An NCCL group is left by an abort once the device has finished its work. NCCL's orderly teardown of a
+    communicator that carried traffic waits for every rank's, but the ranks of an engine leave one after the other
+    (each worker after its last step, rank 0 once they have exited), so it would wait for peers that have gone or
+    have not come yet; with nothing in flight an abort, which is local, loses nothing. gloo's teardown is local."""
     global _STATE
-    if _STATE is None:
+    _run_before_leaving(True)
+    state, _STATE = _STATE, None
+    if state is None or not dist.is_initialized():
         return
-    _STATE = None
-    if dist.is_initialized():
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if state.backend == "nccl" and abort is not None:
+        torch.cuda.synchronize(state.device)
+        abort()
+    else:
         dist.destroy_process_group()
 
 
@@ -272,10 +316,16 @@ def all_reduce_min(value: int) -> int:
     return int(t.item())
 
 
+def counts_agree(count: int) -> bool:
+    """Whether every rank passed the same ``count`` (two reductions over the CPU group; True at one rank)."""
+    return all_reduce_min(count) == -all_reduce_min(-count)
+
+
 def abandon_distributed() -> None:
-    """Leave the process group after a peer died: gloo's teardown is local; an NCCL group is aborted, since a clean
-    NCCL teardown waits for the peers."""
+    """Leave the process group after a peer died: gloo's teardown is local; an NCCL group is aborted without waiting
+    for the device (a collective of the last step may never finish)."""
     global _STATE
+    _run_before_leaving(False)
     state, _STATE = _STATE, None
     if state is None or not dist.is_initialized():
         return

@@ -63,6 +63,19 @@ LAMPORT_MAX_BYTES = 512 * 2**10
 FUSED_NORM_MAX_ROWS = 4
 
 
+# Symmetric-memory exchanges this process has started (``rendezvous_count``).
+_RENDEZVOUS = 0
+
+
+def rendezvous_count() -> int:
+    """How many symmetric-memory rendezvous this process has started. PyTorch (before the fix of pytorch/pytorch
+    issue 196082) names the store keys of a rendezvous after the number of rendezvous the *process* has made, not
+    the group: ranks whose counts differ (rank 0 of a second engine in one process beside freshly started workers)
+    look for each other's keys under different names and wait forever. ``init_distributed`` compares the counts and
+    uses NCCL where they differ."""
+    return _RENDEZVOUS
+
+
 def requested_mode() -> str:
     """``ROOFLM_TP_ALLREDUCE``: ``lamport`` (this project's kernels: the Lamport one for 16-bit tensors up to
     ``LAMPORT_MAX_BYTES``, the barrier one for the rest), ``triton`` (the barrier kernel,
@@ -127,6 +140,8 @@ class OneShotAllReduce:
             if lamport_bytes:
                 buffer[max_bytes:].view(torch.int16).fill_(SENTINEL)  # every slot empty before any peer pushes
                 torch.cuda.synchronize(device)
+            global _RENDEZVOUS
+            _RENDEZVOUS += 1  # counted when started: PyTorch's own count may have moved even if it fails
             handle = symm_mem.rendezvous(buffer, name)
         except Exception as e:  # noqa: BLE001 - any failure here only costs speed: NCCL carries the traffic
             logger.warning("one-shot all-reduce unavailable (%s: %s); tensor parallelism uses NCCL for every "

@@ -23,14 +23,6 @@ SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "do
 FORMATS = {"w4g128": (4, 128), "w8": (8, None), "w4g32": (4, 32)}
 
 
-def _copies(pw, l2_bytes: int) -> list:
-    from rooflm.quantization.packed import PackedWeight
-
-    n = max(2, min(8, -(-3 * l2_bytes // pw.nbytes)))
-    return [pw] + [PackedWeight(pw.qweight.clone(), pw.scales.clone(), None if pw.mins is None else pw.mins.clone(),
-                                pw.bits, pw.group_size) for _ in range(n - 1)]
-
-
 def sweep_configs(m: int, bits: int) -> list:
     """Block configurations ``--sweep`` times (x_split varies only at 4 bits, where it matters)."""
     from rooflm.kernels.quant_gemm import QuantMMConfig
@@ -52,7 +44,7 @@ def bench(ms=(1, 16, 64), sweep: bool = False, sweep_shapes=("qkv", "down"),
           dtype=torch.float16, formats=tuple(FORMATS)) -> tuple[dict, list[dict]]:
     from rooflm.kernels.gemv import time_in_graph, weight_copies
     from rooflm.kernels.quant_gemm import launch, pick_config
-    from rooflm.kernels.quant_gemv import launch_gemv
+    from rooflm.kernels.quant_gemv import launch_gemv, packed_copies
     from rooflm.kernels.quant_gemv import supports as gemv_supports
     from rooflm.quantization.rtn import quantize_rtn
     from rooflm.roofline.measure import measure_bandwidth
@@ -72,7 +64,7 @@ def bench(ms=(1, 16, 64), sweep: bool = False, sweep_shapes=("qkv", "down"),
             x = torch.randn(m, k, dtype=dtype, device=dev)
             t16 = time_in_graph(lambda ww: torch.nn.functional.linear(x, ww), fp16_copies, dev)
             for fmt, pw in packed.items():
-                copies = _copies(pw, l2)
+                copies = packed_copies(pw)
                 cfg = pick_config(x, pw, None)
                 word = gemv_supports(x, pw)  # quant_linear's choice: the word GEMV for one row of 4-bit codes
                 if word:

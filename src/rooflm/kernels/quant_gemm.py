@@ -71,7 +71,7 @@ from rooflm.kernels._utils import device_sms, interpreting
 from rooflm.kernels.gemv import _splitk_reduce_kernel  # the fixed-order split-K sum, shared
 from rooflm.kernels.int4_ptx import i4_to_f16, i4_to_f16_scaled
 from rooflm.kernels.quant_dequant import dequant_linear, use_dequant_gemm
-from rooflm.kernels.quant_gemv import launch_gemv
+from rooflm.kernels.quant_gemv import launch_gemv, packed_copies, pick_gemv
 from rooflm.kernels.quant_gemv import supports as gemv_supports
 from rooflm.quantization.packed import PackedWeight
 
@@ -457,10 +457,7 @@ def _time_candidates(x, pw, bias, base: QuantMMConfig) -> QuantMMConfig:
 
     M, K = x.shape
     xs = torch.randn(_m_bucket(M), K, dtype=x.dtype, device=x.device)
-    l2 = int(getattr(torch.cuda.get_device_properties(x.device), "L2_cache_size", 0) or 64 * 2**20)
-    n = max(2, min(8, -(-3 * l2 // pw.nbytes)))  # together about three L2s: W comes from device memory
-    copies = [pw] + [PackedWeight(pw.qweight.clone(), pw.scales.clone(), None if pw.mins is None else pw.mins.clone(),
-                                  pw.bits, pw.group_size) for _ in range(n - 1)]
+    copies = packed_copies(pw)  # together about three L2s: W comes from device memory
     best = (float("inf"), base)
     for cfg in candidates(xs.shape[0], pw.out_features, K, pw.bits, pw.group_size, device_sms(x)):
         t = time_in_graph(lambda w, c=cfg: launch(xs, w, bias, c), copies, x.device)
@@ -479,8 +476,10 @@ def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = 
         x2 = x2.index_select(1, pw.perm)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if cfg is None and gemv_supports(x2, pw):  # one row, 4-bit codes: the word GEMV (rooflm/kernels/quant_gemv.py)
-        return launch_gemv(x2, pw, bias).view(*shape[:-1], pw.out_features)
+    if cfg is None and gemv_supports(x2, pw):  # one row: the word GEMV where faster (rooflm/kernels/quant_gemv.py)
+        word = pick_gemv(x2, pw, bias)
+        if word is not None:
+            return launch_gemv(x2, pw, bias, word).view(*shape[:-1], pw.out_features)
     if cfg is None and use_dequant_gemm(x2):  # many rows: dequantize once, float GEMM (kernels/quant_dequant.py)
         return dequant_linear(x2, pw, bias).view(*shape[:-1], pw.out_features)
     cfg = cfg or pick_config(x2, pw, bias)

@@ -31,6 +31,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -182,12 +183,8 @@ def _w4_f16x2(u, xw_ptr, cols, k_hi, MASK_K: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 @triton.jit
-def _tile(acc, x_ptr, xw_ptr, rows, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile, k0, k_hi, GROUP, stride_sn,
-          BITS: tl.constexpr, HAS_MIN: tl.constexpr, EVEN_N: tl.constexpr, MASK_K: tl.constexpr, ASM: tl.constexpr,
-          BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP_WORDS: tl.constexpr):
-    """acc + one tile's products: the codes of the words ``wtile`` after column k0 (masked at k_hi if MASK_K)."""
-    PER: tl.constexpr = 32 // BITS  # codes per word
-    EVEN: tl.constexpr = not MASK_K
+def _words(rows, mask_n, wtile, k0, k_hi, PER: tl.constexpr, EVEN_N: tl.constexpr, MASK_K: tl.constexpr):
+    """The [BLOCK_N, GROUPS, GROUP_WORDS] int32 words of the tile after column k0 (masked at k_hi if MASK_K)."""
     cols = k0 // PER + wtile  # word index along the row
     if MASK_K:
         u = tl.load(rows + cols[None, :, :], mask=mask_n[:, None, None] & (cols * PER < k_hi)[None, :, :], other=0)
@@ -195,6 +192,17 @@ def _tile(acc, x_ptr, xw_ptr, rows, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile,
         u = tl.load(rows + cols[None, :, :])
     else:
         u = tl.load(rows + cols[None, :, :], mask=mask_n[:, None, None], other=0)
+    return u
+
+
+@triton.jit
+def _tile(acc, u, x_ptr, xw_ptr, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile, k0, k_hi, GROUP, stride_sn,
+          BITS: tl.constexpr, HAS_MIN: tl.constexpr, EVEN_N: tl.constexpr, MASK_K: tl.constexpr, ASM: tl.constexpr,
+          BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP_WORDS: tl.constexpr):
+    """acc + one tile's products: the codes ``u`` (``_words``) of the words ``wtile`` after column k0."""
+    PER: tl.constexpr = 32 // BITS  # codes per word
+    EVEN: tl.constexpr = not MASK_K
+    cols = k0 // PER + wtile  # word index along the row
     if BITS == 4 and ASM:
         p, xs = _w4_f16x2(u, xw_ptr, cols, k_hi, MASK_K, BLOCK_N, GROUPS, GROUP_WORDS)
     elif BITS == 4:
@@ -245,7 +253,7 @@ def _quant_gemv_kernel(
     N, K, GROUP, k_per_split, stride_qn, stride_sn, stride_os,
     BITS: tl.constexpr, HAS_MIN: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-    GROUP_WORDS: tl.constexpr, ASM: tl.constexpr,
+    GROUP_WORDS: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # A tile is [BLOCK_N rows, GROUPS groups, GROUP_WORDS words]: GROUPS > 1 only when a group is exactly
     # GROUP_WORDS words, so each (row, group) pair has one scale and min per tile. Whole tiles load unmasked; where
@@ -263,12 +271,23 @@ def _quant_gemv_kernel(
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     k_full = k_lo + (k_hi - k_lo) // TILE * TILE
-    for k0 in range(k_lo, k_full, TILE):
-        acc = _tile(acc, x_ptr, xw_ptr, rows, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile, k0, k_hi, GROUP,
-                    stride_sn, BITS, HAS_MIN, EVEN_N, False, ASM, BLOCK_N, GROUPS, GROUP_WORDS)
+    if PREFETCH:  # the next tile's words are loaded before this tile's products: two tiles in flight
+        u = _words(rows, mask_n, wtile, k_lo, k_hi, PER, EVEN_N, True)  # masked: K may hold no whole tile
+        last = tl.maximum(k_full - TILE, k_lo)
+        for k0 in range(k_lo, k_full, TILE):
+            u_next = _words(rows, mask_n, wtile, tl.minimum(k0 + TILE, last), k_hi, PER, EVEN_N, False)
+            acc = _tile(acc, u, x_ptr, xw_ptr, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile, k0, k_hi, GROUP,
+                        stride_sn, BITS, HAS_MIN, EVEN_N, False, ASM, BLOCK_N, GROUPS, GROUP_WORDS)
+            u = u_next
+    else:
+        for k0 in range(k_lo, k_full, TILE):
+            u = _words(rows, mask_n, wtile, k0, k_hi, PER, EVEN_N, False)
+            acc = _tile(acc, u, x_ptr, xw_ptr, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile, k0, k_hi, GROUP,
+                        stride_sn, BITS, HAS_MIN, EVEN_N, False, ASM, BLOCK_N, GROUPS, GROUP_WORDS)
     if not EVEN_K:
         if k_full < k_hi:
-            acc = _tile(acc, x_ptr, xw_ptr, rows, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile, k_full, k_hi, GROUP,
+            u = _words(rows, mask_n, wtile, k_full, k_hi, PER, EVEN_N, True)
+            acc = _tile(acc, u, x_ptr, xw_ptr, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile, k_full, k_hi, GROUP,
                         stride_sn, BITS, HAS_MIN, EVEN_N, True, ASM, BLOCK_N, GROUPS, GROUP_WORDS)
     res = tl.sum(tl.sum(acc, 2), 1)
     if HAS_BIAS and SPLIT == 1:
@@ -287,6 +306,7 @@ class QuantGemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     asm: bool = True  # 4-bit codes with float16 x on CUDA: products in float16x2 PTX (see _W4_DOT8_ASM)
+    prefetch: bool = False  # load tile i + 1's words before tile i's products (registers double-buffered)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "words"):
@@ -319,15 +339,98 @@ def tile_groups(words: int, k: int, bits: int, group_size: int) -> tuple[int, in
 
 
 def supports(x: torch.Tensor, pw: PackedWeight) -> bool:
-    """True when ``quant_linear`` sends ``x @ W.T`` here: one row of x, 4-bit codes in a word-aligned ``qweight``
-    whose groups fit a tile (whole words a group, or one group a row: ``tile_groups`` then has a tile). 8-bit codes
-    stay on the general kernel, which streams them as fast (measured on an H100: 70-89% of the copy bandwidth either
-    way). Called on every projection of an eager decode step, so it only reads attributes (about 1 us)."""
-    if x.shape[0] != 1 or pw.bits != 4:
+    """True when the word GEMV can take ``x @ W.T``: one row of x, 4- or 8-bit codes in a word-aligned ``qweight``
+    whose groups fit a tile (whole words a group, or one group a row: ``tile_groups`` then has a tile). Whether
+    ``quant_linear`` sends it here is ``pick_gemv``'s choice. Called on every projection of an eager decode step,
+    so it only reads attributes (about 1 us)."""
+    if x.shape[0] != 1 or pw.bits not in (4, 8):
         return False
     q = pw.qweight
     return (q.stride(-1) == 1 and q.shape[1] % 4 == 0 and q.stride(0) % 4 == 0 and q.data_ptr() % 16 == 0
-            and (pw.group_size % 8 == 0 or pw.group_size == 2 * q.shape[1]))
+            and (pw.group_size % (32 // pw.bits) == 0 or pw.group_size == pw.in_features))
+
+
+# The word GEMV's configuration is chosen per shape on the running device, as the float16 GEMV's is
+# (rooflm/kernels/gemv.py): the first time a (N, K, bits, group) is seen outside a CUDA-graph capture, the static
+# default and the few tiles that won a sweep on another card are timed (``python tests/gpu/quant_gemv_sweep.py``).
+# Measured at one row on Llama-2-7B's projections: on an H100 the static default (16 rows, 512 bytes of a row a tile,
+# four warps) won at 4 bits and the general kernel matched the word GEMV at 8 bits; on an H200, 16 rows of 256 bytes
+# on two warps with the next tile's words loaded ahead (``prefetch``) was 9-11% faster on qkv and gate_up at 4 bits,
+# and the word GEMV 5-8% faster than the general kernel at 8 bits. ``ROOFLM_QUANT_GEMV=default`` keeps the static
+# choice (the word GEMV with ``default_gemv_config`` at 4 bits, the general kernel at 8).
+_gemv_picked: dict[tuple, "QuantGemvConfig | None"] = {}
+
+
+def gemv_candidates(n: int, k: int, bits: int, group_size: int, sms: int) -> list["QuantGemvConfig | None"]:
+    """What ``pick_gemv`` times for an [n, k] weight: configurations of the word GEMV whose tiles fit the groups,
+    and None (the general kernel) at 8 bits. The static choice comes first."""
+    split = triton.cdiv(n, 16) < 2 * sms  # few rows: K splits keep more loads in flight
+    if bits == 4:
+        out: list[QuantGemvConfig | None] = [default_gemv_config(n, k, bits, group_size, sms),
+                                              QuantGemvConfig(16, 64, 1, 2, 3, prefetch=True),
+                                              QuantGemvConfig(32, 64, 1, 2, 3)]
+        if split:
+            out.append(QuantGemvConfig(16, 64, 4, 2, 3, prefetch=True))
+    else:
+        out = [None, QuantGemvConfig(8, 128, 1, 2, 3), QuantGemvConfig(16, 128, 1, 4, 3)]
+        if split:
+            out += [QuantGemvConfig(16, 128, 4, 2, 3), QuantGemvConfig(32, 128, 4, 4, 3)]
+    return [c for c in out if c is None or tile_groups(c.words, k, bits, group_size) is not None]
+
+
+def pick_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> "QuantGemvConfig | None":
+    """The word-GEMV configuration ``quant_linear`` runs one row of x with, or None for the general kernel
+    (``supports(x, pw)`` must hold). Timed once per shape on CUDA (see above); elsewhere, inside a CUDA-graph
+    capture, and with ``ROOFLM_QUANT_GEMV=default`` the static choice."""
+    N, K = pw.out_features, pw.in_features
+    key = (N, K, pw.bits, pw.group_size, pw.mins is not None, bias is not None, x.dtype, x.device)
+    if key in _gemv_picked:
+        return _gemv_picked[key]
+    cands = gemv_candidates(N, K, pw.bits, pw.group_size, device_sms(x))
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    mode = os.environ.get("ROOFLM_QUANT_GEMV", "auto")
+    if mode not in ("auto", "default"):
+        raise ValueError(f"ROOFLM_QUANT_GEMV={mode!r}: expected 'auto' or 'default'")
+    if not x.is_cuda or interpreting() or capturing or mode == "default" or len(cands) == 1:
+        pick = cands[0]
+    else:
+        from rooflm.kernels.gemv import time_in_graph
+
+        pick = fastest(x, pw, bias, cands, time_in_graph)
+    if not capturing:
+        _gemv_picked[key] = pick
+    return pick
+
+
+def packed_copies(pw: PackedWeight) -> list[PackedWeight]:
+    """``pw`` plus copies enough to hold together about three L2s (at least two, at most eight), for timings in
+    which each call streams its weight from device memory."""
+    l2 = 64 * 2**20
+    if pw.qweight.is_cuda:
+        l2 = int(getattr(torch.cuda.get_device_properties(pw.qweight.device), "L2_cache_size", 0) or l2)
+    n = max(2, min(8, -(-3 * l2 // pw.nbytes)))
+    return [pw] + [PackedWeight(pw.qweight.clone(), pw.scales.clone(), None if pw.mins is None else pw.mins.clone(),
+                                pw.bits, pw.group_size) for _ in range(n - 1)]
+
+
+def fastest(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, cands: list["QuantGemvConfig | None"],
+            timer) -> "QuantGemvConfig | None":
+    """The candidate with the smallest ``timer(call, weights, device)`` over copies of ``pw`` that together exceed
+    the L2 (so the weight streams from device memory, as in a decode step); the first wins a tie."""
+    from rooflm.kernels.quant_gemm import launch, pick_config
+
+    copies = packed_copies(pw)
+    xs = torch.randn_like(x)
+    general = pick_config(xs, pw, bias)
+    best: tuple[float, QuantGemvConfig | None] | None = None
+    for c in cands:
+        if c is None:
+            t = timer(lambda w: launch(xs, w, bias, general), copies, x.device)
+        else:
+            t = timer(lambda w, c=c: launch_gemv(xs, w, bias, c), copies, x.device)
+        if best is None or t < best[0]:
+            best = (t, c)
+    return best[1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -375,7 +478,7 @@ def launch_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
         N, K, pw.group_size, k_per_split, words.stride(0), pw.scales.stride(0), N if split > 1 else 0,
         BITS=pw.bits, HAS_MIN=pw.mins is not None, HAS_BIAS=bias is not None, SPLIT=split,
         EVEN_N=N % cfg.block_n == 0, EVEN_K=K % tile == 0, BLOCK_N=cfg.block_n, GROUPS=shape[0],
-        GROUP_WORDS=shape[1], ASM=asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUP_WORDS=shape[1], ASM=asm, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:
         block = 1024

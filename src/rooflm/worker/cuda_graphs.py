@@ -155,6 +155,14 @@ class DecodeGraphRunner:
         self.seq_lens.zero_()
         self.capture_seconds = time.perf_counter() - t0
 
+    def release(self, sync: bool = True) -> None:
+        """Destroy every captured graph; the runner then runs nothing (``can_run`` is False). Idempotent.
+        ``sync``: wait for the device first (not after a peer failed: a collective of a graph may never finish)."""
+        if sync and self.graphs:
+            torch.cuda.synchronize(self.device)
+        self.graphs.clear()
+        self.sizes, self.verify_sizes, self.logits, self.pool = [], {}, None, None
+
     def _buckets(self, q: int) -> list[int]:
         return self.sizes if q == 1 else self.verify_sizes.get(q, [])
 
@@ -222,6 +230,10 @@ def capture_decode_graphs(runner, max_num_seqs: int, num_speculative_tokens: int
         logger.warning("CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e)
         torch.cuda.synchronize(runner.device)
         return None
+    from rooflm.distributed import parallel_state as ps
+
+    if ps.get_state() is not None:  # NCCL's teardown waits for the graphs that captured its collectives
+        ps.before_leaving(lambda clean: graph_runner.release(sync=clean))
     logger.info("captured decode CUDA graphs for batch sizes %s%s in %.1f s", graph_runner.sizes,
                 f" and verify graphs of {min(verify)}-{max(verify)} tokens per request up to batch "
                 f"{max(verify[min(verify)])}" if verify else "", graph_runner.capture_seconds)
