@@ -169,7 +169,14 @@ def test_silu_mul_epilogue_equals_the_gemv_then_the_activation_kernel(device, cf
             b = torch.randn(2 * d, generator=g).to(dtype).to(device) if bias else None
             got = gemv_silu_mul(x, w, b, cfg)
             assert got.shape == (m, d)
-            assert torch.equal(got, silu_and_mul(gemv(x, w, b, cfg))), (cfg, m, bias)
+            want = silu_and_mul(gemv(x, w, b, cfg))
+            if device == "cpu" and cfg.use_dot:
+                # the interpreter's tl.dot is numpy's matmul, whose float32 summation order may follow the operand
+                # tiles' memory layout (the BLAS kernel the CPU gets): at most one rounding of the dtype apart there;
+                # the compiled kernels are checked bit for bit on CUDA
+                torch.testing.assert_close(got, want, atol=1e-7, rtol=torch.finfo(dtype).eps, msg=str((cfg, m, bias)))
+            else:
+                assert torch.equal(got, want), (cfg, m, bias)
             ref = silu_and_mul_ref(torch.nn.functional.linear(x.double(), w.double(), None if b is None
                                                               else b.double()).to(dtype))
             torch.testing.assert_close(got, ref, atol=0.05, rtol=0.05)

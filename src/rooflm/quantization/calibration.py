@@ -6,8 +6,11 @@ through the model with forward pre-hooks on every ``Linear`` of the decoder laye
 keeps only what the algorithms need: GPTQ's Hessian 2 X^T X / n, AWQ's mean |x| per input channel and a bounded
 random subsample of input rows for AWQ's loss.
 
-All statistics come from the float model in one pass. GPTQ as published quantizes layer by layer and feeds each
-layer the outputs of the already quantized ones ("sequential"); that costs one pass per layer and is not done here.
+``collect_stats`` takes all statistics from the float model in one pass: what AWQ uses, and GPTQ with
+``sequential=False``. GPTQ as published (Frantar et al. 2023) quantizes layer by layer and feeds each layer the
+outputs of the already quantized ones, so that each layer's Hessian describes the inputs it will see in the quantized
+model; that is ``rooflm.quantization.sequential`` (``--sequential``), at the cost of several passes of each layer. It
+is not GPTQ's default because on the default model it was slightly worse with act-order (docs/quantization.md).
 """
 from __future__ import annotations
 

@@ -6,6 +6,12 @@ rooflm fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``. The algo
 quantizes exactly as its parts would) and the result is split back into the Hugging Face modules by the row ranges
 the model's ``weight_targets`` name. Dense models only: mixture-of-experts models are refused.
 
+GPTQ takes every Hessian from the float model in one pass (``collect_stats``) by default, leaving the model as it
+was. ``QuantizeConfig.sequential`` calibrates as the paper does instead (``rooflm.quantization.sequential``): layer
+by layer, each projection's Hessian from the inputs the already quantized projections produce; the model's
+projections then hold their dequantized weights. On the default model sequential was better without act-order and
+slightly worse with it, the best setting (docs/quantization.md), so it is not the default.
+
 AWQ folds 1/s into the operation before each projection (Lin et al. 2024): the RMSNorm weight before qkv_proj and
 gate_up_proj; the ``up`` rows of gate_up_proj before down_proj (act(gate) * up / s is exact); the ``v`` rows of
 qkv_proj before o_proj only when every query head has its own value head (with grouped-query attention one v row
@@ -29,11 +35,15 @@ from rooflm.quantization.awq import awq_quantize, search_scales
 from rooflm.quantization.calibration import collect_stats, decoder_linears
 from rooflm.quantization.formats import IntQuant
 from rooflm.quantization.gptq import gptq_quantize
+from rooflm.quantization.sequential import sequential_gptq
 from rooflm.quantization.zeropoint import quantize_int
 
 logger = logging.getLogger(__name__)
 
 METHODS = ("rtn", "gptq", "awq")
+# GPTQ's calibration when not chosen: one pass of the float model. Sequential calibration measured slightly worse
+# on the default model with act-order, the best 4-bit setting (23.41 against 23.30, docs/quantization.md)
+SEQUENTIAL_DEFAULT = False
 
 
 @dataclass
@@ -52,6 +62,10 @@ class QuantizeConfig:
     # instead of taken from the group's min and max. Not for AWQ, whose clipping search already chooses the range
     # (measured on the default model: no better, three times slower)
     search_grid: bool = True
+    # GPTQ: layer by layer from the quantized layers' outputs (Frantar et al. 2023; ``rooflm.quantization.sequential``)
+    # instead of every Hessian from the float model in one pass. None: the method's default (``SEQUENTIAL_DEFAULT``
+    # for GPTQ; the other methods take no such option)
+    sequential: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -63,6 +77,11 @@ class QuantizeConfig:
             raise ValueError(f"group_size={self.group_size} is invalid: expected a positive integer or -1")
         if self.desc_act and self.method != "gptq":
             raise ValueError(f"desc_act=True is GPTQ's act-order: it does not apply to method={self.method!r}")
+        if self.sequential and self.method != "gptq":
+            raise ValueError(f"sequential=True is GPTQ's sequential calibration: it does not apply to "
+                             f"method={self.method!r}")
+        if self.sequential is None:
+            self.sequential = self.method == "gptq" and SEQUENTIAL_DEFAULT
         if not 0 < self.percdamp < 1:
             raise ValueError(f"percdamp={self.percdamp} must lie in (0, 1)")
         if self.min_zero not in (0, 1):
@@ -148,8 +167,9 @@ def _awq_folds(model: nn.Module, cfg: ModelConfig) -> dict[str, Callable[[torch.
 @torch.no_grad()
 def quantize_model(model: nn.Module, cfg: ModelConfig, qcfg: QuantizeConfig,
                    windows: list[list[int]] | None = None) -> QuantizedModel:
-    """Quantize every decoder projection of ``model`` (modified in place by AWQ's folding). ``windows``: the
-    calibration token windows (GPTQ and AWQ)."""
+    """Quantize every decoder projection of ``model`` (modified in place by AWQ's folding, and by sequential GPTQ,
+    which leaves the dequantized weights in the projections). ``windows``: the calibration token windows (GPTQ and
+    AWQ)."""
     if cfg.is_moe:
         # the experts are stacked tensors, not Linear layers: a checkpoint with float experts beside quantized
         # attention would not load as GPTQ / AWQ elsewhere
@@ -160,9 +180,16 @@ def quantize_model(model: nn.Module, cfg: ModelConfig, qcfg: QuantizeConfig,
         raise ValueError(f"model {cfg.architecture} has no Linear projections to quantize")
     group = resolve_group_size(qcfg.group_size, {n: m.in_features for n, m in linears.items()})
     stats = {}
+    if qcfg.needs_calibration and not windows:
+        raise ValueError(f"method={qcfg.method!r} needs calibration windows")
+    if qcfg.method == "gptq" and qcfg.sequential:
+        start = time.perf_counter()
+        done = sequential_gptq(model, cfg.num_key_value_heads, cfg.head_dim, windows,
+                               lambda w, h: _gptq(w, h, qcfg, group))
+        logger.info("sequential GPTQ on %d windows of %d tokens in %.1f s", len(windows), len(windows[0]),
+                    time.perf_counter() - start)
+        return _result(model, linears, done, group, {})
     if qcfg.needs_calibration:
-        if not windows:
-            raise ValueError(f"method={qcfg.method!r} needs calibration windows")
         rows = max(1, qcfg.awq_rows // len(windows)) if qcfg.method == "awq" else 0
         start = time.perf_counter()
         stats = collect_stats(model, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, windows,
@@ -196,12 +223,21 @@ def quantize_model(model: nn.Module, cfg: ModelConfig, qcfg: QuantizeConfig,
             g = m.in_features if group == -1 else group
             _progress(i, len(linears), qcfg.method.upper())
             if qcfg.method == "gptq":
-                fused[name] = gptq_quantize(m.weight.data, stats[name].hessian.hessian(), qcfg.bits, g,
-                                            desc_act=qcfg.desc_act, percdamp=qcfg.percdamp, min_zero=qcfg.min_zero,
-                                            search_grid=qcfg.search_grid)
+                fused[name] = _gptq(m.weight.data, stats[name].hessian.hessian(), qcfg, group)
             else:
                 fused[name] = quantize_int(m.weight.data, qcfg.bits, g, qcfg.min_zero, search=qcfg.search_grid)
+    return _result(model, linears, fused, group, alphas)
 
+
+def _gptq(w: torch.Tensor, hessian: torch.Tensor, qcfg: QuantizeConfig, group: int) -> IntQuant:
+    """``gptq_quantize`` with the config's options (group -1: one group per output channel)."""
+    return gptq_quantize(w, hessian, qcfg.bits, w.shape[1] if group == -1 else group, desc_act=qcfg.desc_act,
+                         percdamp=qcfg.percdamp, min_zero=qcfg.min_zero, search_grid=qcfg.search_grid)
+
+
+def _result(model: nn.Module, linears: dict[str, nn.Module], fused: dict[str, IntQuant], group: int,
+            alphas: dict[str, float]) -> QuantizedModel:
+    """The fused projections split into their HF modules, and every other HF tensor of the model in float."""
     shards = _hf_shards(model, linears)
     quantized = {hf: slice_rows(fused[lin], rows) for hf, (lin, rows) in shards.items()}
     quantized_weights = {f"{hf}.weight" for hf in quantized}
