@@ -145,9 +145,9 @@ def init_distributed(world_size: int, rank: int, init_method: str, device: torch
         elif rank == 0:
             logging.getLogger(__name__).warning(
                 "this process set up peer-memory all-reduces for an earlier engine and its new workers have not: "
-                "PyTorch's symmetric-memory exchange would not meet (pytorch/pytorch issue 196082), so every "
-                "all-reduce of this engine goes through NCCL; start one tensor-parallel engine per process for "
-                "the faster path")
+                "PyTorch's symmetric-memory exchange would not meet (github.com/pytorch/pytorch/issues/196082), so "
+                "every all-reduce of this engine goes through NCCL; start one tensor-parallel engine per process "
+                "for the faster path")
         if all_reduce_min(int(_STATE.one_shot is not None)) == 0:  # one path for all ranks, or their collectives
             _STATE.one_shot = None                                 # would not meet
     return _STATE

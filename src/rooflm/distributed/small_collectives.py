@@ -68,11 +68,11 @@ _RENDEZVOUS = 0
 
 
 def rendezvous_count() -> int:
-    """How many symmetric-memory rendezvous this process has started. PyTorch (before the fix of pytorch/pytorch
-    issue 196082) names the store keys of a rendezvous after the number of rendezvous the *process* has made, not
-    the group: ranks whose counts differ (rank 0 of a second engine in one process beside freshly started workers)
-    look for each other's keys under different names and wait forever. ``init_distributed`` compares the counts and
-    uses NCCL where they differ."""
+    """How many symmetric-memory rendezvous this process has started. PyTorch (before the fix of
+    https://github.com/pytorch/pytorch/issues/196082) names the store keys of a rendezvous after the number of
+    rendezvous the *process* has made, not the group: ranks whose counts differ (rank 0 of a second engine in one
+    process beside freshly started workers) look for each other's keys under different names and wait forever.
+    ``init_distributed`` compares the counts and uses NCCL where they differ."""
     return _RENDEZVOUS
 
 
