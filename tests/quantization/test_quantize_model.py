@@ -37,13 +37,19 @@ def _windows(cfg, num_samples=2, seq_len=32):
     return calibration_windows(ids, num_samples, seq_len)
 
 
-def _logits(model, cfg, ids):
+def _hidden(model, cfg, ids):
+    """The final hidden states of one prefill of ``ids``."""
     from rooflm.attention.metadata_utils import allocate_kv_caches, single_sequence_metadata
 
     caches = allocate_kv_caches(cfg.num_hidden_layers, 4, 16, cfg.num_key_value_heads, cfg.head_dim)
     meta, pos = single_sequence_metadata(0, len(ids), 16)
     with torch.no_grad():
-        return model.compute_logits(model(torch.tensor(ids), pos, caches, meta))
+        return model(torch.tensor(ids), pos, caches, meta)
+
+
+def _logits(model, cfg, ids):
+    with torch.no_grad():
+        return model.compute_logits(_hidden(model, cfg, ids))
 
 
 @pytest.mark.parametrize("kv_heads", [2, 4])  # grouped-query (o_proj unscaled) and multi-head (o_proj into v)

@@ -1,45 +1,23 @@
 """Sequential GPTQ (Frantar et al. 2023): the layer-by-layer forward it calibrates with computes exactly what the
 model computes, layer 1's Hessian comes from the quantized layer 0's outputs, 8 bits keep the float model's
 function, and the flag is refused where it does not apply."""
-import json
-
 import pytest
 import torch
 
 from rooflm.cli import main
-from rooflm.loader import load_model
-from rooflm.quantization.calibration import (calibration_windows, collect_stats, read_calibration_text,
-                                             tokenize_calibration)
+from rooflm.quantization.calibration import collect_stats
 from rooflm.quantization.pipeline import QuantizeConfig, quantize_model
 from rooflm.quantization.sequential import TRUE_SEQUENTIAL, LayerRunner, sequential_gptq
-
-TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
+from test_quantize_model import _config, _hidden, _load
+from test_quantize_model import _windows as _shared_windows
 
 
-def _path(tmp_path, **over) -> str:
-    path = tmp_path / "tiny.json"
-    path.write_text(json.dumps({**TINY, **over}))
-    return str(path)
-
-
-def _load(path):
-    return load_model(path, dtype=torch.float32, attn_backend="torch", ops="native", show_progress=False)
+def _path(tmp_path) -> str:
+    return _config(tmp_path, num_hidden_layers=3)
 
 
 def _windows(cfg, num_samples=3, seq_len=40):  # 40: the last KV-cache block only partly filled
-    ids = tokenize_calibration(read_calibration_text(), None, cfg.vocab_size)
-    return calibration_windows(ids, num_samples, seq_len)
-
-
-def _hidden(model, cfg, ids):
-    from rooflm.attention.metadata_utils import allocate_kv_caches, single_sequence_metadata
-
-    caches = allocate_kv_caches(cfg.num_hidden_layers, 4, 16, cfg.num_key_value_heads, cfg.head_dim)
-    meta, pos = single_sequence_metadata(0, len(ids), 16)
-    with torch.no_grad():
-        return model(torch.tensor(ids), pos, caches, meta)
+    return _shared_windows(cfg, num_samples, seq_len)
 
 
 def test_layer_by_layer_forward_is_the_model_forward(tmp_path):
