@@ -63,22 +63,24 @@ def _generate(checkpoint: str, tp: int, pp: int = 1, dtype: str = "float32"):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], paths
 
 
-def _child(checkpoint: str, tp: int, pp: int, dtype: str, conn) -> None:
+def _child(checkpoint: str, tp: int, pp: int, dtype: str, engines: int, conn) -> None:
     try:
-        conn.send(("ok", _generate(checkpoint, tp, pp, dtype)))
+        conn.send(("ok", [_generate(checkpoint, tp, pp, dtype) for _ in range(engines)]))
     except BaseException as e:  # noqa: BLE001 - reported to the test
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
         conn.close()
 
 
-def _generate_fresh(checkpoint: str, tp: int, pp: int = 1, dtype: str = "float32", timeout_s: float = 600.0):
-    """``_generate`` in a new process (it inherits the environment); a run past ``timeout_s`` fails the test."""
+def _generate_fresh(checkpoint: str, tp: int, pp: int = 1, dtype: str = "float32", timeout_s: float = 600.0,
+                    engines: int = 1):
+    """``_generate`` in a new process (it inherits the environment), ``engines`` times one after the other (a list of
+    their results when more than one); a run past ``timeout_s`` fails the test."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(checkpoint, tp, pp, dtype, send))
+    proc = ctx.Process(target=_child, args=(checkpoint, tp, pp, dtype, engines, send))
     proc.start()
     send.close()
     if not recv.poll(timeout_s):
@@ -89,7 +91,7 @@ def _generate_fresh(checkpoint: str, tp: int, pp: int = 1, dtype: str = "float32
     proc.join(60)
     if status != "ok":
         pytest.fail(value)
-    return value
+    return value[0] if engines == 1 else value
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +129,19 @@ def test_lamport_all_reduce_and_fused_norm_give_the_barrier_kernels_tokens_in_fl
         assert ids == ref_ids
         for a, b in zip(ref_lp, lp):
             assert max(abs(a[t] - b[t]) for t in a) <= 1e-2
+
+
+def test_a_second_engine_in_one_process_falls_back_to_nccl_and_gives_the_same_tokens(checkpoint, one_gpu,
+                                                                                       monkeypatch):
+    """The first TP=2 engine of a process takes the one-shot all-reduces; the second one in the same process (its
+    workers fresh, rank 0's symmetric-memory count not) must notice that their exchange would never meet and use
+    NCCL instead of hanging, with the same tokens, and both shut down cleanly."""
+    monkeypatch.setenv("ROOFLM_TP_ALLREDUCE", "auto")
+    monkeypatch.setenv("ROOFLM_TP_CUDA_GRAPHS", "0")
+    (first, first_paths), (second, second_paths) = _generate_fresh(checkpoint, 2, engines=2)
+    assert first_paths[0] and not second_paths[0]
+    for got in (first, second):
+        for (ref_ids, ref_lp), (ids, lp) in zip(one_gpu, got):
+            assert ids == ref_ids
+            for a, b in zip(ref_lp, lp):
+                assert max(abs(a[t] - b[t]) for t in a) <= 1e-3
