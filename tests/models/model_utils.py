@@ -1,10 +1,26 @@
 """Helpers for the model tests: tiny transformers models as oracles, and driving a rooflm model over a paged cache."""
 from __future__ import annotations
 
+import json
+
 import torch
 
 from rooflm.attention.metadata_utils import allocate_kv_caches, single_sequence_metadata
 from rooflm.config import ModelConfig
+from rooflm.loader import load_model
+
+# a two-layer Llama whose sizes the native CPU kernel takes (multiples of 32), with grouped-query attention
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5}
+
+
+def load_tiny(tmp_path_factory, quantization: str, **overrides):
+    """``TINY`` (with ``overrides``) with random weights, quantized as asked at load: (model, config)."""
+    folder = tmp_path_factory.mktemp("tiny")
+    (folder / "config.json").write_text(json.dumps({**TINY, **overrides}))
+    return load_model(str(folder / "config.json"), load_format="dummy", show_progress=False,
+                      quantization=quantization)
 
 
 def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-4) -> None:

@@ -4,43 +4,19 @@ decoding sequence with consecutive or scattered KV blocks, a batch of sequences,
 and the cases it must leave to the modules."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 import rooflm.models.llama as llama_module
 from rooflm.attention.metadata_utils import allocate_kv_caches, build_attention_metadata
 from rooflm.layers.custom_op import select_ops
-from rooflm.loader import load_model
 from rooflm.models.cpu_lean import lean_plan
 
-TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 64,
-        "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-5}
+from model_utils import TINY, load_tiny as _load
+
 BLOCK = 4
 PROMPT = [5, 17, 99, 3, 64, 12, 7, 88, 41]  # 9 tokens: 3 blocks of 4, the last one partly filled
 DECODE_STEPS = 7  # crosses two block boundaries
-
-
-def _load(tmp_path_factory, quantization: str, **overrides):
-    folder = tmp_path_factory.mktemp("tiny")
-    (folder / "config.json").write_text(json.dumps({**TINY, **overrides}))
-    model, cfg = load_model(str(folder / "config.json"), load_format="dummy", show_progress=False,
-                            quantization=quantization)
-    return model, cfg
-
-
-@pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
-    """Quantized projections on the native kernel (``rooflm.kernels.cpu_native``, the default where it builds) and,
-    as ``"w4a16-torch"``, on torch's int4 kernel (``ROOFLM_CPU_NATIVE=off`` when the weights are prepared)."""
-    models = {q: _load(tmp_path_factory, q) for q in ("w4a16", "w8a16", "none")}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ROOFLM_CPU_NATIVE", "off")
-        models["w4a16-torch"] = _load(tmp_path_factory, "w4a16")
-    assert models["w4a16-torch"][0].model.layers[0].mlp.down_proj._cpu_weight.kind == "int4"
-    return models
 
 
 def _greedy(model, cfg, tables: list[list[int]], prompts: list[list[int]], steps: int):

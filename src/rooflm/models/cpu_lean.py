@@ -39,13 +39,32 @@ from rooflm.layers.activation import SiluAndMul
 from rooflm.layers.custom_op import CPU, impl_generation
 from rooflm.layers.norm import cpu_rms_norm
 from rooflm.models.cpu_lean_seq import SeqStep, attend_seq, consecutive, rotate_and_write, seq_step_applies
+from rooflm.models.cpu_lean_stack import NativeStack, stack_allowed_by_env
 
 _int4mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 
 
+LEAN_MODES = ("on", "ops", "off")
+
+
+def lean_mode() -> str:
+    """``ROOFLM_CPU_LEAN``: ``on`` (default), ``ops`` (the per-operator loop, without the native decode layers of
+    ``rooflm.models.cpu_lean_stack``) or ``off`` (the module-by-module forward)."""
+    mode = os.environ.get("ROOFLM_CPU_LEAN", "on").strip().lower() or "on"
+    if mode not in LEAN_MODES:
+        raise ValueError(f"ROOFLM_CPU_LEAN={mode!r} is not supported: expected one of {', '.join(LEAN_MODES)}")
+    return mode
+
+
 def lean_allowed_by_env() -> bool:
     """``ROOFLM_CPU_LEAN=off`` keeps the CPU path on the module-by-module forward."""
-    return os.environ.get("ROOFLM_CPU_LEAN", "on") != "off"
+    return lean_mode() != "off"
+
+
+class _Plan(list):
+    """The layers' parts, and the native decode layers made from them on first use (False: not applicable)."""
+
+    stack: NativeStack | bool | None = None
 
 
 def _fast_int4(lin) -> tuple | NativeWeight | None:
@@ -97,7 +116,7 @@ def _build_plan(model) -> list | None:
     from rooflm.models.llama import LlamaDecoderLayer  # a subclass with its own forward is not this maths
 
     layer_forward = LlamaDecoderLayer.forward
-    plan = []
+    plan = _Plan()
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if (layer.mlp_norm_gate_up is None or attn.tp_size != 1 or mlp.tp_size != 1
@@ -206,6 +225,12 @@ def run_lean_layers(plan: list, hidden: torch.Tensor, residual: torch.Tensor | N
     if (meta.is_decode_only and meta.num_seqs == 1 and meta.tree_masks is None and backend._slots_valid
             and backend._decode_blocks is not None and dtype == torch.float32):
         one = _DecodeOne(backend, cos, sin, kv_caches[0], meta)
+        if stack_allowed_by_env():  # one native call per layer where the whole stack takes it
+            if plan.stack is None:
+                plan.stack = NativeStack.build(plan) or False
+            out = plan.stack.run(one, hidden, residual, kv_caches) if plan.stack else None
+            if out is not None:
+                return out
     elif seq_step_applies(meta, backend, dtype):
         seq = SeqStep(backend, cos, sin, kv_caches[0], meta)
     for lay, kv_cache in zip(plan, kv_caches, strict=True):

@@ -1,6 +1,8 @@
 """A native CPU matmul for 4- and 8-bit grouped weights with 8-bit activations (llama.cpp's scheme), and the small
-float32 operators of a decode step (RMSNorm, rotary + cache write, attention over the paged cache): the C sources
-``qmm.c`` and ``ops.c`` are compiled on first use (``build``) and called through ctypes (``matmul``, ``ops``).
+float32 operators of a decode step (RMSNorm, rotary + cache write, attention over the paged cache), and a decoder
+layer of a one-token step made of both in one call: the C sources ``qmm.c``, ``ops.c`` and ``decode.c`` are compiled
+on first use (``build``) and called through ctypes (``matmul``, ``ops``; ``decode.c`` from
+``rooflm.models.cpu_lean_stack``).
 ``ROOFLM_CPU_NATIVE`` = ``auto`` | ``on`` | ``off`` selects them; ``python -m rooflm.kernels.cpu_native`` benchmarks
 the matmul against torch's kernels."""
 from rooflm.kernels.cpu_native.build import (

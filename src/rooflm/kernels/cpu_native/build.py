@@ -1,4 +1,4 @@
-"""Compile ``qmm.c`` and ``ops.c`` once per machine and load it with ctypes.
+"""Compile ``qmm.c``, ``ops.c`` and ``decode.c`` once per machine and load them, as one library, with ctypes.
 
 The library is built on first use with the system C compiler (``$CC``, else ``cc``) and ``-O3 -march=native``, so
 the instruction set (AVX512-VNNI, AVX2 or plain C) is the one of the machine that runs it. The shared object goes to
@@ -24,7 +24,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("qmm.c", "ops.c")  # the quantized matmul; the small float ops of a decode step
+SOURCES = ("qmm.c", "ops.c", "decode.c")  # the quantized matmul; the small float ops; a decode layer of both
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")  # + default_flags()
 MODES = ("auto", "on", "off")
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
@@ -141,6 +141,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ops_rope_write.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.decode_segment.restype = ctypes.c_int
+    lib.decode_segment.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     spin = os.environ.get("ROOFLM_CPU_NATIVE_SPIN")
     if spin is not None:
         lib.qmm_set_spin(int(spin))

@@ -7,19 +7,18 @@
  * - ops_rms_norm: y = x / sqrt(mean(x^2) + eps) * w per row (Zhang & Sennrich 2019), the sum of squares in 16
  *   float lanes added pairwise at the end;
  * - ops_argmax: the index of each row's largest value, as torch's max(dim=-1).indices gives it;
- * - ops_rope_write: the rotary embedding (Su et al. 2021) of a step's q and k heads and the write of its K and V to
- *   the paged cache;
  * - ops_attend: softmax(q K^T * scale) V for each of T query tokens over the keys it reads (a prefix of the context,
  *   or an explicit list of positions: a token tree's token reads the context and its ancestors), grouped-query
  *   attention (Ainslie et al. 2023: query head h uses KV head h / (hq / hkv)). Each token is computed on its own, by
  *   the same code, whatever the other tokens of the call: a speculative verify step's token gets the floats its
  *   decode step would (greedy speculation then keeps the plain path's tokens exactly). On this project's 2-core
  *   machine it runs at the machine's multiply-add rate (about 13 us for 250 keys of SmolLM2's 9 heads of 64 when
- *   they are in cache); the keys come 16 at a time, every head of a KV head's group reading them from L1.
+ *   they are in cache); the keys come 16 at a time (8 with AVX2), every head of a KV head's group reading them
+ *   from L1.
  *
- * exp is a Cephes-style polynomial (range reduction by ln 2, degree-6 polynomial; relative error ~1e-7). The AVX512
- * and the portable forms of the attention sum in different orders: results agree to float rounding across builds,
- * and bit for bit within one.
+ * exp is a Cephes-style polynomial (range reduction by ln 2, degree-6 polynomial; relative error ~1e-7). The AVX512,
+ * AVX2 and portable forms of the attention sum in different orders: results agree to float rounding across builds,
+ * and bit for bit within one. (The rotary embedding and cache write are in decode.c.)
  */
 #include <math.h>
 #include <stdint.h>
@@ -31,6 +30,12 @@
 #define OPS_AVX512 1
 #else
 #define OPS_AVX512 0
+#endif
+#if !OPS_AVX512 && !defined(QMM_FORCE_SCALAR) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define OPS_AVX2 1 /* 8 lanes: the dot products, softmax and attention below */
+#else
+#define OPS_AVX2 0
 #endif
 
 #define EXP_HI 88.3762626647949f
@@ -71,6 +76,29 @@ static inline __m512 exp16(__m512 x) {
 }
 #endif
 
+#if OPS_AVX2
+/* exp_scalar in 8 lanes, bit for bit: AVX2 has no scalef, so p * 2^n is two exact products by powers of two (n in
+ * [-126, 128] splits into halves that are normal exponents) and one rounding, as ldexpf's */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT |
+                                     _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i ni = _mm256_cvtps_epi32(n), h = _mm256_srai_epi32(ni, 1), bias = _mm256_set1_epi32(127);
+    const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, bias), 23));
+    const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, h), bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, a), b);
+}
+#endif
+
 /* sum of a[i] * b[i], i < n, in 16 lanes (lane i % 16), the lanes added pairwise at the end: one fixed order */
 static inline float dot(const float *a, const float *b, int64_t n) {
     float lane[16] = {0};
@@ -79,6 +107,14 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     __m512 acc = _mm512_setzero_ps();
     for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
     _mm512_storeu_ps(lane, acc);
+#elif OPS_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(); /* lanes 0-7 and 8-15: the portable order */
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    _mm256_storeu_ps(lane, acc0);
+    _mm256_storeu_ps(lane + 8, acc1);
 #else
     for (; i + 16 <= n; i += 16)
         for (int l = 0; l < 16; l++) lane[l] = fmaf(a[i + l], b[i + l], lane[l]);
@@ -140,30 +176,6 @@ void ops_argmax(const float *x, int64_t rows, int64_t n, int64_t rs, int64_t *ou
     }
 }
 
-/* Rotary embedding (Su et al. 2021, the rotate-half layout) of the q and k heads of T tokens, and the cache write:
- * qk rows [hq + hkv heads of d] qk_rs floats apart, v rows [hkv heads of d] v_rs apart; cos2 = [cos, cos] and
- * sin2 = [-sin, sin] per token ([T, d]); x' = x * cos2 + roll(x, d / 2) * sin2. The rotated heads go to qk_out
- * [T, hq + hkv, d]; token t's rotated K and its V to the caches' row slots[t] (hkv * d floats a row; a negative slot
- * is not written). */
-void ops_rope_write(const float *qk, int64_t qk_rs, const float *v, int64_t v_rs, const float *cos2, const float *sin2,
-                    int64_t T, int64_t hq, int64_t hkv, int64_t d, float *qk_out, float *kcache, float *vcache,
-                    const int64_t *slots) {
-    const int64_t half = d / 2, heads = hq + hkv;
-    for (int64_t t = 0; t < T; t++) {
-        const float *c = cos2 + t * d, *sn = sin2 + t * d;
-        for (int64_t h = 0; h < heads; h++) {
-            const float *x = qk + t * qk_rs + h * d;
-            float *y = qk_out + (t * heads + h) * d;
-            for (int64_t i = 0; i < half; i++) y[i] = fmaf(x[i + half], sn[i], x[i] * c[i]);
-            for (int64_t i = half; i < d; i++) y[i] = fmaf(x[i - half], sn[i], x[i] * c[i]);
-        }
-        if (slots[t] >= 0) {
-            memcpy(kcache + slots[t] * hkv * d, qk_out + (t * heads + hq) * d, (size_t)(hkv * d) * sizeof(float));
-            memcpy(vcache + slots[t] * hkv * d, v + t * v_rs, (size_t)(hkv * d) * sizeof(float));
-        }
-    }
-}
-
 /* the softmax of s[0:n] in place (exp of s - max, then divided by the sum) */
 static void softmax(float *s, int64_t n) {
     float mx = -INFINITY;
@@ -172,12 +184,21 @@ static void softmax(float *s, int64_t n) {
     __m512 mv = _mm512_set1_ps(-INFINITY);
     for (; j + 16 <= n; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
     mx = _mm512_reduce_max_ps(mv);
+#elif OPS_AVX2
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+    float m8[8];
+    _mm256_storeu_ps(m8, mv);
+    for (int l = 0; l < 8; l++) mx = m8[l] > mx ? m8[l] : mx;
 #endif
     for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
     j = 0;
 #if OPS_AVX512
     const __m512 m16 = _mm512_set1_ps(mx);
     for (; j + 16 <= n; j += 16) _mm512_storeu_ps(s + j, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m16)));
+#elif OPS_AVX2
+    const __m256 m8v = _mm256_set1_ps(mx);
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8v)));
 #endif
     for (; j < n; j++) s[j] = exp_scalar(s[j] - mx);
     float lane[16] = {0}; /* the sum in 16 lanes (j mod 16), added pairwise: one fixed order, and no serial chain */
@@ -186,6 +207,14 @@ static void softmax(float *s, int64_t n) {
     __m512 acc = _mm512_setzero_ps();
     for (; j + 16 <= n; j += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(s + j));
     _mm512_storeu_ps(lane, acc);
+#elif OPS_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(); /* lanes 0-7 and 8-15: the portable order */
+    for (; j + 16 <= n; j += 16) {
+        acc0 = _mm256_add_ps(acc0, _mm256_loadu_ps(s + j));
+        acc1 = _mm256_add_ps(acc1, _mm256_loadu_ps(s + j + 8));
+    }
+    _mm256_storeu_ps(lane, acc0);
+    _mm256_storeu_ps(lane + 8, acc1);
 #else
     for (; j + 16 <= n; j += 16)
         for (int l = 0; l < 16; l++) lane[l] += s[j + l];
@@ -198,6 +227,9 @@ static void softmax(float *s, int64_t n) {
 #if OPS_AVX512
     const __m512 iv = _mm512_set1_ps(inv);
     for (; j + 16 <= n; j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), iv));
+#elif OPS_AVX2
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), iv));
 #endif
     for (; j < n; j++) s[j] *= inv;
 }
@@ -256,6 +288,50 @@ static inline __attribute__((always_inline)) void pv_block(const float *p, float
 }
 #endif
 
+#if OPS_AVX2
+/* lane u of the result: the sum of the 8 lanes of v[u] (horizontal adds, then the two 128-bit halves) */
+static inline __attribute__((always_inline)) __m256 sum8x8(const __m256 *v) {
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* qk16 with 8 keys of 8 lanes (c8 = d / 8 vectors a key) */
+static inline __attribute__((always_inline)) __m256 qk8(const float *q, const float *const *kj, const int64_t c8) {
+    __m256 acc[8];
+    const __m256 q0 = _mm256_loadu_ps(q);
+    for (int u = 0; u < 8; u++) acc[u] = _mm256_mul_ps(q0, _mm256_loadu_ps(kj[u]));
+    for (int64_t c = 1; c < c8; c++) {
+        const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+        for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj[u] + 8 * c), acc[u]);
+    }
+    return sum8x8(acc);
+}
+
+/* pv_block with 8 lanes: out[0:8 c8] += sum over the block's m keys (m <= 8) of p[u] * v_u, even and odd keys apart */
+static inline __attribute__((always_inline)) void pv_block8(const float *p, float *out, const int64_t c8,
+                                                            const float *const *vj, int m) {
+    __m256 a0[32], a1[32];
+    for (int64_t c = 0; c < c8; c++) {
+        a0[c] = _mm256_loadu_ps(out + 8 * c);
+        a1[c] = _mm256_setzero_ps();
+    }
+    int u = 0;
+    for (; u + 2 <= m; u += 2) {
+        const __m256 p0 = _mm256_set1_ps(p[u]), p1 = _mm256_set1_ps(p[u + 1]);
+        for (int64_t c = 0; c < c8; c++) {
+            a0[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(vj[u] + 8 * c), a0[c]);
+            a1[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(vj[u + 1] + 8 * c), a1[c]);
+        }
+    }
+    if (u < m) {
+        const __m256 p0 = _mm256_set1_ps(p[u]);
+        for (int64_t c = 0; c < c8; c++) a0[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(vj[u] + 8 * c), a0[c]);
+    }
+    for (int64_t c = 0; c < c8; c++) _mm256_storeu_ps(out + 8 * c, _mm256_add_ps(a0[c], a1[c]));
+}
+#endif
+
 /* the query heads h0 .. h0 + gs - 1 (one KV head's group) of one token over n keys (key j at row pos ? pos[j] : j);
  * s: scratch of gs * n floats */
 static inline int64_t row_of(int64_t p, const int64_t *blocks, int64_t bs) {
@@ -308,6 +384,42 @@ static void attend_group(const float *q, float *out, int64_t gs, int64_t d, floa
                     pv_block(s + h * n + j, out + h * d, 8, rows, m);
                 else
                     pv_block(s + h * n + j, out + h * d, c16, rows, m);
+            }
+        }
+        return;
+    }
+#elif OPS_AVX2
+    if (d % 8 == 0 && d <= 256) { /* the loop above with 8 keys a block */
+        const int64_t c8 = d / 8;
+        const float *rows[8];
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+            for (int u = 0; u < 8; u++) rows[u] = k + ROW(j + u) * rs;
+            for (int64_t h = 0; h < gs; h++) {
+                __m256 sc;
+                if (c8 == 8)
+                    sc = qk8(q + h * d, rows, 8);
+                else if (c8 == 16)
+                    sc = qk8(q + h * d, rows, 16);
+                else
+                    sc = qk8(q + h * d, rows, c8);
+                _mm256_storeu_ps(s + h * n + j, _mm256_mul_ps(sc, _mm256_set1_ps(scale)));
+            }
+        }
+        for (; j < n; j++)
+            for (int64_t h = 0; h < gs; h++) s[h * n + j] = dot(q + h * d, k + ROW(j) * rs, d) * scale;
+        for (int64_t h = 0; h < gs; h++) softmax(s + h * n, n);
+        memset(out, 0, (size_t)(gs * d) * sizeof(float));
+        for (j = 0; j < n; j += 8) {
+            const int m = n - j < 8 ? (int)(n - j) : 8;
+            for (int u = 0; u < m; u++) rows[u] = v + ROW(j + u) * rs;
+            for (int64_t h = 0; h < gs; h++) {
+                if (c8 == 8)
+                    pv_block8(s + h * n + j, out + h * d, 8, rows, m);
+                else if (c8 == 16)
+                    pv_block8(s + h * n + j, out + h * d, 16, rows, m);
+                else
+                    pv_block8(s + h * n + j, out + h * d, c8, rows, m);
             }
         }
         return;

@@ -1,4 +1,5 @@
-"""The float32 operators of ``ops.c`` (RMSNorm, decode-style attention, argmax) for the CPU path.
+"""The float32 operators of ``ops.c`` (RMSNorm, decode-style attention, argmax) and ``decode.c``'s rotary embedding +
+cache write, for the CPU path.
 
 Every caller of an operator here, the module forward and the lean decoder loop alike, goes through ``native_ops()``,
 so both paths pick the same implementation (the native one whenever the library is available, ``ROOFLM_CPU_NATIVE``

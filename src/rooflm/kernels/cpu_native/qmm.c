@@ -74,7 +74,7 @@
 #define QMM_PREFETCH 4096 /* bytes ahead of the codes being read (a software prefetch: +20% at 2 threads) */
 #endif
 
-typedef struct {
+typedef struct qmm_weight {
     const uint8_t *codes;
     const void *scales; /* float32, or float16 when f16 */
     const void *mins;   /* as scales; NULL: no min term */
