@@ -39,7 +39,7 @@ from rooflm.layers.activation import SiluAndMul
 from rooflm.layers.custom_op import CPU, impl_generation
 from rooflm.layers.norm import cpu_rms_norm
 from rooflm.models.cpu_lean_seq import SeqStep, attend_seq, consecutive, rotate_and_write, seq_step_applies
-from rooflm.models.cpu_lean_stack import NativeStack, stack_allowed_by_env
+from rooflm.models.cpu_lean_stack import NativeStack
 
 _int4mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 
@@ -225,7 +225,7 @@ def run_lean_layers(plan: list, hidden: torch.Tensor, residual: torch.Tensor | N
     if (meta.is_decode_only and meta.num_seqs == 1 and meta.tree_masks is None and backend._slots_valid
             and backend._decode_blocks is not None and dtype == torch.float32):
         one = _DecodeOne(backend, cos, sin, kv_caches[0], meta)
-        if stack_allowed_by_env():  # one native call per layer where the whole stack takes it
+        if lean_mode() == "on":  # one native call per layer where the whole stack takes it (not "ops")
             if plan.stack is None:
                 plan.stack = NativeStack.build(plan) or False
             out = plan.stack.run(one, hidden, residual, kv_caches) if plan.stack else None

@@ -17,7 +17,6 @@ table against the cache), not once per layer. ``ROOFLM_CPU_LEAN=ops`` keeps the 
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 import torch.nn.functional as F
@@ -37,11 +36,6 @@ class _StepArgs(ctypes.Structure):  # decode_step in decode.c
                 ("sin2", _P), ("slot", _I64), ("nkeys", _I64), ("blocks", _P), ("block_size", _I64),
                 ("nthreads", _I64), ("residual", _P), ("act", _P), ("normed", _P), ("qkv", _P), ("qk", _P),
                 ("attn", _P), ("proj", _P), ("gate_up", _P)]
-
-
-def stack_allowed_by_env() -> bool:
-    """``ROOFLM_CPU_LEAN=ops`` (or ``off``) keeps one-token steps on the per-operator loop."""
-    return os.environ.get("ROOFLM_CPU_LEAN", "on").strip().lower() in ("on", "")
 
 
 def _float32_vector(t: torch.Tensor) -> bool:
@@ -92,8 +86,6 @@ class NativeStack:
                     and f_gu.out_features == 2 * inter and f_down.in_features == inter
                     and f_down.out_features == hidden and lay.attn.scale == first.attn.scale):
                 return None
-        if not hasattr(fast[0].lib, "decode_segment"):
-            return None
         return cls(plan, fast[0].lib)
 
     def _layer_args(self, kv_caches: list[torch.Tensor]) -> list:
