@@ -103,17 +103,19 @@ def test_zero_and_constant_rows(lib):
 
 @pytest.mark.parametrize("variant", ["avx2", "scalar"])
 def test_instruction_set_paths_agree(lib, tmp_path, monkeypatch, variant):
-    """Each path the source can be compiled to gives the default build's result up to float rounding."""
+    """Each path the source can be compiled to gives the default build's result bit for bit: the same exact
+    integer block products, then the same float operations in the same order. One row (the AVX2 path's own
+    one-row kernel) and six (its tiles of several rows)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     other = load_library(VARIANTS[variant])
     if variant == "avx2" and native_build.isa_name(other) != "avx2":
         assert native_build.isa_name(lib) == native_build.isa_name(other)  # a machine without AVX2: both scalar
-    for (bits, group, with_min), half in itertools.product(FORMATS, (False, True)):
+    for (bits, group, with_min), half, m in itertools.product(FORMATS, (False, True), (1, 6)):
         pw = _weight(bits, group, 33, 384, with_min, seed=group + bits, half=half)
-        x = torch.randn(6, 384, generator=torch.Generator().manual_seed(group))
+        x = torch.randn(m, 384, generator=torch.Generator().manual_seed(group)) * 2
         a = native_linear(x, pack_native(pw, lib))
         b = native_linear(x, pack_native(pw, other))
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * a.abs().max().item())
+        assert torch.equal(a, b), (bits, group, with_min, half, m, (a - b).abs().max().item())
 
 
 @pytest.mark.parametrize("pool", ["default", "own-pool"])
@@ -210,11 +212,14 @@ def test_build_is_cached_by_source_and_flags(monkeypatch, tmp_path):
     assert cpu_native.isa_name(load_library(("-DQMM_FORCE_SCALAR",))) == "scalar"
 
 
-def test_rows_do_not_depend_on_the_batch(lib):
+@pytest.mark.parametrize("bits,with_min,half", [(4, True, True), (4, False, False), (8, False, True),
+                                                 (8, True, False)])
+def test_rows_do_not_depend_on_the_batch(lib, bits, with_min, half):
     """Each activation row is quantized on its own and each output is one thread's sum over blocks, so a row's
     result is the same bits whatever rows it is batched with (a speculative verify step scores what decoding
-    would)."""
-    pw = _weight(4, 32, 200, 576, True, seed=11)
+    would). On AVX2 a single row runs a kernel of its own (both halves of a group of 16 output rows in one pass)
+    and several rows run tiles of up to four: these must agree too."""
+    pw = _weight(bits, 32, 200, 576, with_min, seed=11 + bits, half=half)
     nw = pack_native(pw, lib)
     x = torch.randn(11, 576, generator=torch.Generator().manual_seed(11))
     full = native_linear(x, nw)

@@ -1,4 +1,5 @@
-"""Compile ``qmm.c``, ``ops.c`` and ``decode.c`` once per machine and load them, as one library, with ctypes.
+"""Compile ``qmm.c`` (with its header ``qmm_tiles.h``), ``ops.c`` and ``decode.c`` once per machine and load them,
+as one library, with ctypes.
 
 The library is built on first use with the system C compiler (``$CC``, else ``cc``) and ``-O3 -march=native``, so
 the instruction set (AVX512-VNNI, AVX2 or plain C) is the one of the machine that runs it. The shared object goes to
@@ -25,6 +26,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = ("qmm.c", "ops.c", "decode.c")  # the quantized matmul; the small float ops; a decode layer of both
+HEADERS = ("qmm_tiles.h",)  # included by qmm.c: its register tiles, one form per instruction set
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")  # + default_flags()
 MODES = ("auto", "on", "off")
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
@@ -58,7 +60,8 @@ def cache_dir() -> Path:
 
 
 def _source_texts() -> list[bytes]:
-    return [resources.files("rooflm.kernels.cpu_native").joinpath(name).read_bytes() for name in SOURCES]
+    """The sources, then the headers (both in the cache key)."""
+    return [resources.files("rooflm.kernels.cpu_native").joinpath(name).read_bytes() for name in SOURCES + HEADERS]
 
 
 def _compiler_version(cc: str) -> str:
@@ -104,10 +107,9 @@ def build_library(extra_flags: tuple[str, ...] = ()) -> Path:
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
-        c_paths = []
-        for name, src in zip(SOURCES, srcs, strict=True):
-            c_paths.append(Path(tmp) / name)
-            c_paths[-1].write_bytes(src)
+        for name, src in zip(SOURCES + HEADERS, srcs, strict=True):
+            (Path(tmp) / name).write_bytes(src)
+        c_paths = [Path(tmp) / name for name in SOURCES]
         so_tmp = Path(tmp) / target.name
         cmd = [cc, *flags, "-o", str(so_tmp), *map(str, c_paths), "-lm"]
         try:
