@@ -212,6 +212,23 @@ def test_build_is_cached_by_source_and_flags(monkeypatch, tmp_path):
     assert cpu_native.isa_name(load_library(("-DQMM_FORCE_SCALAR",))) == "scalar"
 
 
+def test_the_header_is_compiled_and_keys_the_cache(monkeypatch, tmp_path):
+    """qmm.c includes qmm_tiles.h: an edit to the header alone makes a new library, and the header compiled is
+    the one the package holds (copied beside the sources)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    flags = ("-DQMM_FORCE_SCALAR",)
+    a = native_build.build_library(flags)
+    texts = native_build._source_texts()
+    assert len(texts) == len(native_build.SOURCES) + len(native_build.HEADERS)
+    edited = [*texts[:-1], texts[-1] + b"\n/* an edit */\n"]
+    monkeypatch.setattr(native_build, "_source_texts", lambda: edited)
+    b = native_build.build_library(flags)
+    assert b != a and b.exists()
+    monkeypatch.setattr(native_build, "_source_texts", lambda: [*texts[:-1], b'#error "the packaged header"\n'])
+    with pytest.raises(native_build.NativeBuildError, match="the packaged header"):
+        native_build.build_library(flags)
+
+
 @pytest.mark.parametrize("bits,with_min,half", [(4, True, True), (4, False, False), (8, False, True),
                                                  (8, True, False)])
 def test_rows_do_not_depend_on_the_batch(lib, bits, with_min, half):
