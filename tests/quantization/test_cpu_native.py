@@ -118,6 +118,24 @@ def test_instruction_set_paths_agree(lib, tmp_path, monkeypatch, variant):
         assert torch.equal(a, b), (bits, group, with_min, half, m, (a - b).abs().max().item())
 
 
+def test_activation_codes_round_half_to_even_on_every_path(lib, tmp_path, monkeypatch):
+    """Blocks whose max is 127, so x * 127 / max is x itself and every .5 is a tie: the vector quantizer rounds as
+    the scalar one (to even) and as the reference; a wrong code moves the product by a whole weight column."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    scalar = load_library(VARIANTS["scalar"])
+    ties = torch.tensor([127.0, -126.5, 2.5, -3.5, 0.5, -0.5, 1.5, -1.5] * 4)
+    x = torch.stack([ties.repeat(12), (-ties).repeat(12), ties.roll(3).repeat(12)])  # [3, 384]
+    q, _ = quantize_activations_reference(x)
+    assert q[0, :8].tolist() == [127, -126, 2, -4, 0, 0, 2, -2]
+    for bits in (4, 8):
+        pw = _weight(bits, 32, 40, 384, bits == 4, seed=bits)
+        for m in (1, 3):
+            a = native_linear(x[:m], pack_native(pw, lib))
+            assert torch.equal(a, native_linear(x[:m], pack_native(pw, scalar)))
+            ref = _same_maths(x[:m], pw)
+            torch.testing.assert_close(a.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
 @pytest.mark.parametrize("pool", ["default", "own-pool"])
 def test_threads_split_the_rows_without_changing_the_result(lib, pool):
     """On torch's OpenMP threads (where torch uses libgomp) or the library's own pthread pool (a build without

@@ -132,21 +132,57 @@ static int grow(size_t nq) {
     return 0;
 }
 
+/* A block's codes: q = round-half-even(x * id), their sum returned. The AVX2 form does the same operations on 8
+ * lanes (one product, the same rounding, exact integer sums), so the same codes: a decode step quantizes about 4k
+ * activations per layer, 2.2 us per 576 in the scalar loop on a Zen 3 core against about a tenth of that here. */
+static inline int quantize_block(const float *xb, float id, int8_t *q) {
+#if QMM_ISA >= 1
+    const __m256 s = _mm256_set1_ps(id);
+    __m256i v[4];
+    for (int u = 0; u < 4; u++)
+        v[u] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * u), s),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    /* |codes| <= 127: the saturating packs are exact; the permutation undoes their lane interleaving */
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i t = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+    const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xB1)));
+#else
+    int sum = 0;
+    for (int j = 0; j < BLK; j++) {
+        const int v = (int)nearbyintf(xb[j] * id);
+        q[j] = (int8_t)v;
+        sum += v;
+    }
+    return sum;
+#endif
+}
+
+static inline float block_amax(const float *xb) {
+#if QMM_ISA >= 1
+    const __m256 mag = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 a = _mm256_setzero_ps();
+    for (int u = 0; u < 4; u++) a = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xb + 8 * u), mag), a);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h))); /* a maximum: exact in any order */
+#else
+    float amax = 0.f;
+    for (int j = 0; j < BLK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+    return amax;
+#endif
+}
+
 static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t nb) {
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < nb; b++) {
             const int64_t i = r * nb + b;
             const float *xb = x + r * k + b * BLK;
-            int8_t *q = s_qx + i * BLK;
-            float amax = 0.f;
-            for (int j = 0; j < BLK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+            const float amax = block_amax(xb);
             const float id = amax > 0.f ? 127.f / amax : 0.f;
-            int sum = 0;
-            for (int j = 0; j < BLK; j++) {
-                const int v = (int)nearbyintf(xb[j] * id);
-                q[j] = (int8_t)v;
-                sum += v;
-            }
+            const int sum = quantize_block(xb, id, s_qx + i * BLK);
             s_d[i] = amax / 127.f;
             s_c[i] = s_d[i] * (float)sum;
             s_off[i] = -128 * sum;
