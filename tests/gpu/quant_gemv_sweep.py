@@ -8,6 +8,7 @@ the current tile's products), each replayed from a CUDA graph over weight copies
 and as a fraction of a read-only stream of 2 GiB measured in the same run.
 
     PYTHONPATH=src python3 tests/gpu/quant_gemv_sweep.py [--formats w4g128,w8] [--shapes qkv,o,gate_up,down,lm_head]
+        [--asm on|off|both] [--pair on|off|both] [--grid full|candidates]
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import argparse
 import itertools
 import json
 import math
+from dataclasses import replace
 
 import torch
 
@@ -35,14 +37,15 @@ def read_stream_gbps() -> float:
     return x.numel() * 2 / min(times) / 1e6
 
 
-def grid(n: int, k: int, bits: int, sms: int):
+def grid(n: int, k: int, bits: int, sms: int, asm: tuple[bool, ...] = (True,), pair: tuple[bool, ...] = (False,)):
     from rooflm.kernels.quant_gemv import QuantGemvConfig
 
     splits = (1, 2, 4) if -(-n // 16) < 2 * sms else (1,)
-    for bn, words, split, warps, pre in itertools.product((8, 16, 32), (64, 128), splits, (2, 4, 8), (False, True)):
-        if bn * words // (32 * warps) < 1:
+    for bn, words, split, warps, pre, a, pr in itertools.product((8, 16, 32), (64, 128), splits, (2, 4, 8),
+                                                                 (False, True), asm, pair):
+        if bn * words // (32 * warps) < 1 or (pr and not a):
             continue
-        yield QuantGemvConfig(bn, words, split, warps, 3, prefetch=pre)
+        yield QuantGemvConfig(bn, words, split, warps, 3, prefetch=pre, asm=a, pair=pr)
 
 
 def main(argv=None) -> int:
@@ -50,7 +53,8 @@ def main(argv=None) -> int:
     from rooflm.kernels.bench_quant import SHAPES
     from rooflm.kernels.gemv import time_in_graph
     from rooflm.kernels.quant_gemm import launch, pick_config
-    from rooflm.kernels.quant_gemv import default_gemv_config, launch_gemv, packed_copies, supports, tile_groups
+    from rooflm.kernels.quant_gemv import (default_gemv_config, gemv_candidates, launch_gemv, packed_copies, supports,
+                                           tile_groups)
     from rooflm.quantization.rtn import quantize_rtn
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,6 +62,12 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", default=None)
+    p.add_argument("--grid", choices=("full", "candidates"), default="full",
+                   help="the whole grid, or only the configurations pick_gemv times (gemv_candidates)")
+    p.add_argument("--asm", choices=("on", "off", "both"), default="on",
+                   help="products in float16x2 PTX (on), in the float32 form (off), or each configuration both ways")
+    p.add_argument("--pair", choices=("on", "off", "both"), default="off",
+                   help="with the PTX products: two words summed before one conversion (on), one word (off), or both")
     args = p.parse_args(argv)
     formats = {"w4g128": (4, 128), "w8": (8, None)}
     dev = torch.device("cuda")
@@ -84,7 +94,14 @@ def main(argv=None) -> int:
                 t0 = time_in_graph(lambda q: launch(x, q, None, c), copies, dev)
                 what0 = f"general kernel {c}"
             res = []
-            for cfg in grid(n, k, bits, props.multi_processor_count):
+            asm = {"on": (True,), "off": (False,), "both": (True, False)}[args.asm]
+            pair = {"on": (True,), "off": (False,), "both": (True, False)}[args.pair]
+            if args.grid == "full":
+                cfgs = list(grid(n, k, bits, props.multi_processor_count, asm, pair))
+            else:
+                cfgs = [replace(c, asm=a, pair=pr) for c in gemv_candidates(n, k, bits, pw.group_size, device_sms(x))
+                        if c is not None for a in asm for pr in pair if a or not pr]
+            for cfg in cfgs:
                 if tile_groups(cfg.words, k, bits, pw.group_size) is None:
                     continue
                 try:
@@ -105,7 +122,11 @@ def main(argv=None) -> int:
                    "best": [{"cfg": str(c), "us": round(t * 1e3, 2), "frac": round(gb(t) / stream, 3),
                              "rel_err": float(f"{e:.1e}")} for t, c, e in res[: args.top]],
                    "best_no_prefetch": next(({"cfg": str(c), "us": round(t * 1e3, 2)} for t, c, _ in res
-                                             if not c.prefetch), None)}
+                                             if not c.prefetch), None),
+                   "best_float32_form": next(({"cfg": str(c), "us": round(t * 1e3, 2)} for t, c, _ in res
+                                              if not c.asm), None),
+                   "best_one_word": next(({"cfg": str(c), "us": round(t * 1e3, 2)} for t, c, _ in res
+                                          if c.asm and not c.pair), None)}
             out.append(row)
             print(json.dumps(row), flush=True)
             del copies

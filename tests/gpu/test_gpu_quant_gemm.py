@@ -89,3 +89,39 @@ def test_prefill_rows_go_through_the_dequantized_float_gemm(bits, monkeypatch):
     check(DEQUANT_MIN_ROWS, pw, torch.float16, "cuda", bias=True)
     check(DEQUANT_MIN_ROWS - 1, pw, torch.float16, "cuda", bias=True)
     assert len(calls) == 1, "only the call with DEQUANT_MIN_ROWS rows takes the float GEMM"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_silu_mul_epilogue_pick_and_capture(bits, monkeypatch):
+    """gate_up with SiLU-and-mul in the word GEMV's epilogue, as decode runs it: timed once against the unfused pair
+    (either may win; the fused kernel is checked either way: the activation of the same GEMV's sums, bit for bit),
+    act-order permuted input, then captured in a CUDA graph and replayed on new inputs."""
+    from dataclasses import replace
+
+    import rooflm.kernels.quant_gemv as qv
+    from rooflm.kernels.activation import silu_and_mul
+    from rooflm.quantization.packed import quant_linear_reference
+
+    monkeypatch.setattr(qv, "_silu_picked", {})
+    half, k = 5504, 4096
+    pw = make_packed(2 * half, k, bits, 128, mins=bits == 4, perm=bits == 4, dtype=torch.float16, device="cuda")
+    bias = torch.randn(2 * half, device="cuda", dtype=torch.float16)
+    x = torch.randn(1, k, device="cuda", dtype=torch.float16)
+    cands = qv.gemv_candidates(2 * half, k, bits, 128, qv.device_sms(x))
+    cfg = qv.pick_gemv_silu_mul(x, pw, bias)
+    assert len(qv._silu_picked) == 1 and (cfg is None or cfg in cands)
+    cfg = cfg or next(c for c in cands if c is not None and c.split_k == 1)  # the unfused pair won: check one anyway
+    xg = x.index_select(1, pw.perm) if pw.perm is not None else x
+    fused = qv.gemv_silu_mul(x, pw, bias, cfg)
+    assert torch.equal(fused, silu_and_mul(qv.launch_gemv(xg, pw, bias, replace(cfg, split_k=1))))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = qv.gemv_silu_mul(x, pw, bias, cfg)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = quant_linear_reference(x.double(), pw, bias.double())
+        ref = torch.nn.functional.silu(ref[:, :half]) * ref[:, half:]
+        rel = ((out.double() - ref).norm() / ref.norm()).item()
+        assert rel < 4e-3, f"relative error {rel:.2e} after replay"

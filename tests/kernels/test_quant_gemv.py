@@ -32,7 +32,9 @@ def _configs():
 
     return [None, QuantGemvConfig(16, 4, 3), QuantGemvConfig(32, 16, 1), QuantGemvConfig(8, 64, 2),
             QuantGemvConfig(16, 128, 1), QuantGemvConfig(16, 4, 3, prefetch=True),
-            QuantGemvConfig(8, 16, 1, prefetch=True), QuantGemvConfig(16, 128, 1, prefetch=True)]
+            QuantGemvConfig(8, 16, 1, prefetch=True), QuantGemvConfig(16, 128, 1, prefetch=True),
+            QuantGemvConfig(16, 128, 1, pair=True), QuantGemvConfig(8, 16, 2, prefetch=True, pair=True),
+            QuantGemvConfig(16, 4, 3, pair=True)]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -65,14 +67,17 @@ def test_word_gemv_dtypes(device, dtype, bits):
         _gemv_check(pw, dtype, device, bias=True, cfg=cfg)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("scale", [100.0, 3000.0])
-def test_word_gemv_large_activations(device, scale):
+def test_word_gemv_large_activations(device, scale, bits):
     """Activations in the thousands (outlier features) stay finite and accurate: on CUDA the float16 products are
-    formed with x / 16 so that four of them cannot overflow below |x| = 16,000."""
+    formed with x / 16 (4 bits; x / 32 when two words share a sum) or x / 128 (8 bits) so that the few products a half
+    sums cannot overflow below |x| = 16,000."""
     k = 512 if device == "cpu" else 4096
-    pw = make_packed(40, k, 4, 128, mins=True, perm=False, dtype=torch.float16, device=device)
+    pw = make_packed(40, k, bits, 128, mins=True, perm=False, dtype=torch.float16, device=device)
     _gemv_check(pw, torch.float16, device, bias=False, scale=scale)
     _gemv_check(pw, torch.float16, device, bias=True, scale=scale, cfg=_configs()[3])
+    _gemv_check(pw, torch.float16, device, bias=False, scale=scale, cfg=_configs()[8])  # eight products a half
 
 
 def test_split_is_deterministic(device):
@@ -86,9 +91,13 @@ def test_split_is_deterministic(device):
 
 def test_quant_linear_sends_one_row_of_4_bit_codes_here(device, monkeypatch):
     """quant_linear's choice: one row of 4-bit codes goes to the word GEMV, anything else to the general kernel, and
-    both answer the same product (within the float16 tolerance of the twin)."""
+    both answer the same product (within the float16 tolerance of the twin). The static choice: on CUDA the
+    choice is otherwise timed, and a timing must not decide a test."""
     import rooflm.kernels.quant_gemm as qg
+    import rooflm.kernels.quant_gemv as qv
 
+    monkeypatch.setenv("ROOFLM_QUANT_GEMV", "default")
+    monkeypatch.setattr(qv, "_gemv_picked", {})
     calls = []
     real = qg.launch_gemv
     monkeypatch.setattr(qg, "launch_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -203,3 +212,47 @@ def test_fastest_takes_the_smallest_time_and_every_candidate_runs(device, bits):
     for c in cands:
         got = quant_linear(x, pw) if c is None else launch_gemv(x, pw, None, c)
         assert ((got.double() - ref).norm() / ref.norm()).item() < LIMIT[dtype], c
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_silu_mul_epilogue_equals_gemv_then_activation(device, bits):
+    """gate_up's word GEMV with SiLU-and-mul as its epilogue equals, bit for bit, the same configuration's GEMV
+    followed by the activation kernel: ragged and even halves, mins and bias, one- and two-word products, the
+    next tile loaded ahead; and it agrees with the float64 twin. A K split is ignored (one launch)."""
+    from rooflm.kernels.activation import silu_and_mul
+    from rooflm.kernels.quant_gemv import QuantGemvConfig, launch_gemv
+    from rooflm.quantization.packed import quant_linear_reference
+
+    k = 256 if device == "cpu" else 4096
+    dtype = torch.float16
+    cfgs = [QuantGemvConfig(16, 16), QuantGemvConfig(8, 32, 1, 2, prefetch=True), QuantGemvConfig(32, 16, pair=True),
+            QuantGemvConfig(16, 16, 4)]
+    for half, mins, bias in ((37, bits == 4, True), (64, False, False)):
+        pw = make_packed(2 * half, k, bits, 64, mins=mins, perm=False, dtype=dtype, device=device, seed=half)
+        g = torch.Generator().manual_seed(half)
+        x = torch.randn(1, k, generator=g).to(dtype).to(device)
+        b = torch.randn(2 * half, generator=g).to(dtype).to(device) if bias else None
+        ref = quant_linear_reference(x.double(), pw, None if b is None else b.double())
+        ref = torch.nn.functional.silu(ref[:, :half]) * ref[:, half:]
+        for cfg in cfgs:
+            fused = launch_gemv(x, pw, b, cfg, silu_mul=True)
+            assert fused.shape == (1, half) and fused.dtype == dtype, cfg
+            unfused = silu_and_mul(launch_gemv(x, pw, b, QuantGemvConfig(cfg.block_n, cfg.words, 1, cfg.num_warps,
+                                                                         cfg.num_stages, cfg.asm, cfg.prefetch,
+                                                                         cfg.pair)))
+            assert torch.equal(fused, unfused), f"{cfg} half={half}: fused and unfused differ"
+            rel = ((fused.double() - ref).norm() / ref.norm()).item()
+            assert rel < 2 * LIMIT[dtype], f"{cfg} half={half}: relative error {rel:.2e}"
+
+
+def test_silu_mul_epilogue_refuses_odd_rows_and_is_not_picked_off_cuda(monkeypatch):
+    import rooflm.kernels.quant_gemv as qv
+
+    pw = make_packed(37, 256, 4, 64, mins=True, perm=False, dtype=torch.float16, device="cpu")
+    x = torch.zeros(1, 256, dtype=torch.float16)
+    with pytest.raises(ValueError, match="even number of rows"):
+        qv.launch_gemv(x, pw, None, qv.QuantGemvConfig(16, 16), silu_mul=True)
+    monkeypatch.setattr(qv, "_silu_picked", {})
+    pw = make_packed(38, 256, 4, 64, mins=True, perm=False, dtype=torch.float16, device="cpu")
+    assert qv.pick_gemv_silu_mul(x, pw, None) is None, "nothing is timed without CUDA: the unfused pair runs"
+    assert qv.pick_gemv_silu_mul(torch.zeros(2, 256, dtype=torch.float16), pw, None) is None, "one row only"

@@ -16,7 +16,10 @@
 # * On CUDA with float16 x (``asm``), a word's eight products are formed in float16x2 PTX (_W4_DOT8_ASM: about 17
 #   instructions a word, against about 50 for the float32 form), with x arranged into the matching pairs once per
 #   tile for all the program's rows (_X_PAIRS_ASM). Measured on an H100 (``python -m rooflm.kernels.bench_quant``):
-#   37-71% of the copy bandwidth on Llama-2-7B's projections, about 4 instructions a code executed.
+#   37-71% of the copy bandwidth on Llama-2-7B's projections, about 4 instructions a code executed. 8-bit codes
+#   likewise (_W8_DOT4_ASM: a byte permute under the exponent of 1024, one float16x2 subtraction, two fused
+#   multiply-adds: about 10 instructions a word against about 24): on an H200, 67-74% -> 82-88% of the read bandwidth
+#   on Llama-2-7B's qkv and gate_up. ``pair`` sums two words in float16x2 before the one conversion and scale.
 # * Elsewhere (float32 or bfloat16 x, and Triton's CPU interpreter, which cannot run PTX) a float32 form: a code
 #   becomes a float *in place*, without a shift, by OR-ing the word, masked to the code's bits, into the mantissa of
 #   2**23 and subtracting 2**23 (the "magic number" conversion; Kim et al. 2022, "Who Says Elephants Can't Run").
@@ -39,7 +42,8 @@ import triton
 import triton.language as tl
 
 from rooflm.kernels._utils import device_sms, interpreting
-from rooflm.kernels.gemv import _splitk_reduce_kernel
+from rooflm.kernels.gemv import _silu_mul_pairs, _splitk_reduce_kernel
+from rooflm.kernels.quant_gemv_ptx import _halves, _w4_f16x2, _w8_f16x2
 from rooflm.quantization.packed import PackedWeight
 
 
@@ -73,115 +77,6 @@ def _group_params(p_ptr, offs_n, mask_n, stride_sn, g, g_end, EVEN_N: tl.constex
     return v.to(tl.float32)
 
 
-# Four codes' worth of float16x2 arithmetic per instruction (CUDA, float16 x): the 4-bit codes of a word become
-# float16 pairs as in rooflm/kernels/int4_ptx.py (prmt, lop3 into the mantissa of 1024, sub.f16x2: exact), meet x in
-# four fma.f16x2 and leave as one float32 (the two halves converted and added). The x pairs are arranged once per tile
-# for every row of the program (_X_PAIRS_ASM): the word's nibble pairs are (0, 2), (4, 6), (1, 3), (5, 7) in the
-# column order of the packed layout, x / 16 for low nibbles and x / 256 for high ones (read in place as 16 q), so a
-# product is q x / 16 and four of them stay below 4 |x|: no float16 overflow below |x| = 16,000. The group's scale
-# times 16 restores the magnitude. Each product is rounded to float16 (relative 2**-11, the rounding a float16
-# dequantized weight has anyway) and a half sums four of them before the float32 accumulation; 17 instructions a
-# word against about 50 in the float32 form below.
-_W4_DOT8_ASM = tl.constexpr("""
-{
-.reg .b32 t, t2, c, l0, l1, h0, h1, a;
-.reg .f16 lo, hi;
-.reg .f32 f0, f1;
-mov.b32 c, 0;
-prmt.b32 t, $1, c, 0x3120;
-shr.b32 t2, t, 8;
-lop3.b32 l0, t, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 l1, t2, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 h0, t, 0x00F000F0, 0x64006400, 0xEA;
-lop3.b32 h1, t2, 0x00F000F0, 0x64006400, 0xEA;
-mov.b32 c, 0x64006400;
-sub.f16x2 l0, l0, c;
-sub.f16x2 l1, l1, c;
-sub.f16x2 h0, h0, c;
-sub.f16x2 h1, h1, c;
-mul.rn.f16x2 a, l0, $2;
-fma.rn.f16x2 a, l1, $3, a;
-fma.rn.f16x2 a, h0, $4, a;
-fma.rn.f16x2 a, h1, $5, a;
-mov.b32 {lo, hi}, a;
-cvt.f32.f16 f0, lo;
-cvt.f32.f16 f1, hi;
-add.f32 f0, f0, f1;
-mov.b32 $0, f0;
-}
-""")
-# x of one word as four float16x2 words (x0, x1), (x2, x3), (x4, x5), (x6, x7) in, the pairs the codes meet out
-# (scaled as above), and the word's x sum in float32 (for the group's min).
-_X_PAIRS_ASM = tl.constexpr("""
-{
-.reg .b32 a, b, c, d, s;
-.reg .f16 e0, e1, e2, e3, e4, e5, e6, e7;
-.reg .f32 f0, f1, f2, f3, f4, f5, f6, f7;
-prmt.b32 a, $5, $6, 0x5410;
-prmt.b32 b, $7, $8, 0x5410;
-prmt.b32 c, $5, $6, 0x7632;
-prmt.b32 d, $7, $8, 0x7632;
-mov.b32 s, 0x2C002C00;
-mul.rn.f16x2 a, a, s;
-mul.rn.f16x2 b, b, s;
-mov.b32 s, 0x1C001C00;
-mul.rn.f16x2 c, c, s;
-mul.rn.f16x2 d, d, s;
-mov.b32 {e0, e1}, $5;
-mov.b32 {e2, e3}, $6;
-mov.b32 {e4, e5}, $7;
-mov.b32 {e6, e7}, $8;
-cvt.f32.f16 f0, e0;
-cvt.f32.f16 f1, e1;
-cvt.f32.f16 f2, e2;
-cvt.f32.f16 f3, e3;
-cvt.f32.f16 f4, e4;
-cvt.f32.f16 f5, e5;
-cvt.f32.f16 f6, e6;
-cvt.f32.f16 f7, e7;
-add.f32 f0, f0, f1;
-add.f32 f2, f2, f3;
-add.f32 f4, f4, f5;
-add.f32 f6, f6, f7;
-add.f32 f0, f0, f2;
-add.f32 f4, f4, f6;
-add.f32 f0, f0, f4;
-mov.b32 $0, a;
-mov.b32 $1, b;
-mov.b32 $2, c;
-mov.b32 $3, d;
-mov.b32 $4, f0;
-}
-""")
-
-
-@triton.jit
-def _w4_f16x2(u, xw_ptr, cols, k_hi, MASK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-              GROUP_WORDS: tl.constexpr):
-    """Partial products (float32, q x / 16 summed over each word) and x sums of a tile of 4-bit words (CUDA only)."""
-    xp = xw_ptr + cols * 4
-    if MASK_K:
-        live = cols * 8 < k_hi
-        p0 = tl.load(xp, mask=live, other=0)
-        p1 = tl.load(xp + 1, mask=live, other=0)
-        p2 = tl.load(xp + 2, mask=live, other=0)
-        p3 = tl.load(xp + 3, mask=live, other=0)
-    else:
-        p0 = tl.load(xp)
-        p1 = tl.load(xp + 1)
-        p2 = tl.load(xp + 2)
-        p3 = tl.load(xp + 3)
-    a, b, c, d, xs = tl.inline_asm_elementwise(_X_PAIRS_ASM, "=r,=r,=r,=r,=r,r,r,r,r", [p0, p1, p2, p3],
-                                               dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.float32),
-                                               is_pure=True, pack=1)
-    shape: tl.constexpr = (BLOCK_N, GROUPS, GROUP_WORDS)
-    p = tl.inline_asm_elementwise(_W4_DOT8_ASM, "=r,r,r,r,r,r",
-                                  [u, tl.broadcast_to(a[None], shape), tl.broadcast_to(b[None], shape),
-                                   tl.broadcast_to(c[None], shape), tl.broadcast_to(d[None], shape)],
-                                  dtype=tl.float32, is_pure=True, pack=1)
-    return p, xs
-
-
 @triton.jit
 def _words(rows, mask_n, wtile, k0, k_hi, PER: tl.constexpr, EVEN_N: tl.constexpr, MASK_K: tl.constexpr):
     """The [BLOCK_N, GROUPS, GROUP_WORDS] int32 words of the tile after column k0 (masked at k_hi if MASK_K)."""
@@ -198,13 +93,24 @@ def _words(rows, mask_n, wtile, k0, k_hi, PER: tl.constexpr, EVEN_N: tl.constexp
 @triton.jit
 def _tile(acc, u, x_ptr, xw_ptr, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile, k0, k_hi, GROUP, stride_sn,
           BITS: tl.constexpr, HAS_MIN: tl.constexpr, EVEN_N: tl.constexpr, MASK_K: tl.constexpr, ASM: tl.constexpr,
+          PAIR: tl.constexpr,
           BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP_WORDS: tl.constexpr):
     """acc + one tile's products: the codes ``u`` (``_words``) of the words ``wtile`` after column k0."""
     PER: tl.constexpr = 32 // BITS  # codes per word
     EVEN: tl.constexpr = not MASK_K
     cols = k0 // PER + wtile  # word index along the row
     if BITS == 4 and ASM:
-        p, xs = _w4_f16x2(u, xw_ptr, cols, k_hi, MASK_K, BLOCK_N, GROUPS, GROUP_WORDS)
+        p, xs = _w4_f16x2(u, xw_ptr, cols, k_hi, MASK_K, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
+    elif ASM:  # 8 bits
+        p = _w8_f16x2(u, xw_ptr, cols, k_hi, MASK_K, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
+        if HAS_MIN:
+            xs = (_xcol(x_ptr, cols, 0, PER, 1.0, EVEN, k_hi) + _xcol(x_ptr, cols, 1, PER, 1.0, EVEN, k_hi)
+                  + _xcol(x_ptr, cols, 2, PER, 1.0, EVEN, k_hi) + _xcol(x_ptr, cols, 3, PER, 1.0, EVEN, k_hi))
+            if PAIR:
+                xs0, xs1 = _halves(xs, (GROUPS, GROUP_WORDS // 2))
+                xs = xs0 + xs1
+        else:
+            xs = 0.0  # unused
     elif BITS == 4:
         x0 = _xcol(x_ptr, cols, 0, PER, 1.0, EVEN, k_hi)
         x1 = _xcol(x_ptr, cols, 1, PER, 0.0625, EVEN, k_hi)
@@ -239,8 +145,8 @@ def _tile(acc, u, x_ptr, xw_ptr, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile, k0
     g = k0 // GROUP + offs_g
     g_end = tl.cdiv(k_hi, GROUP)
     sc = _group_params(s_ptr, offs_n, mask_n, stride_sn, g, g_end, EVEN_N, EVEN)
-    if BITS == 4 and ASM:
-        sc = sc * 16.0  # the products were formed with x / 16 (see _W4_DOT8_ASM)
+    if ASM:  # the products were formed with x / 16 (4 bits, see _W4_DOT8_ASM) or x / 128 (8 bits, _W8_DOT4_ASM)
+        sc = sc * (128.0 if BITS == 8 else 32.0 if PAIR else 16.0)
     acc += p * sc[:, :, None]
     if HAS_MIN:
         acc += _group_params(m_ptr, offs_n, mask_n, stride_sn, g, g_end, EVEN_N, EVEN)[:, :, None] * xs[None]
@@ -253,7 +159,8 @@ def _quant_gemv_kernel(
     N, K, GROUP, k_per_split, stride_qn, stride_sn, stride_os,
     BITS: tl.constexpr, HAS_MIN: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-    GROUP_WORDS: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
+    GROUP_WORDS: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, PAIR: tl.constexpr,
+    SILU_MUL: tl.constexpr,
 ):
     # A tile is [BLOCK_N rows, GROUPS groups, GROUP_WORDS words]: GROUPS > 1 only when a group is exactly
     # GROUP_WORDS words, so each (row, group) pair has one scale and min per tile. Whole tiles load unmasked; where
@@ -262,12 +169,18 @@ def _quant_gemv_kernel(
     TILE: tl.constexpr = GROUPS * GROUP_WORDS * PER  # columns of x per tile
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    if SILU_MUL:  # W is [gate | up], N = 2 * intermediate: rows interleaved, gate j then up j (N // 2 + j)
+        r = tl.arange(0, BLOCK_N)
+        j = pid_n * (BLOCK_N // 2) + r // 2
+        offs_n = j + (r % 2) * (N // 2)
+        mask_n = j < N // 2
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
     offs_g = tl.arange(0, GROUPS)
     wtile = offs_g[:, None] * GROUP_WORDS + tl.arange(0, GROUP_WORDS)[None, :]  # [GROUPS, GROUP_WORDS]
     rows = q_ptr + offs_n.to(tl.int64)[:, None, None] * stride_qn
-    acc = tl.zeros([BLOCK_N, GROUPS, GROUP_WORDS], tl.float32)
+    acc = tl.zeros([BLOCK_N, GROUPS, GROUP_WORDS // 2 if PAIR else GROUP_WORDS], tl.float32)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     k_full = k_lo + (k_hi - k_lo) // TILE * TILE
@@ -277,22 +190,27 @@ def _quant_gemv_kernel(
         for k0 in range(k_lo, k_full, TILE):
             u_next = _words(rows, mask_n, wtile, tl.minimum(k0 + TILE, last), k_hi, PER, EVEN_N, False)
             acc = _tile(acc, u, x_ptr, xw_ptr, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile, k0, k_hi, GROUP,
-                        stride_sn, BITS, HAS_MIN, EVEN_N, False, ASM, BLOCK_N, GROUPS, GROUP_WORDS)
+                        stride_sn, BITS, HAS_MIN, EVEN_N, False, ASM, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
             u = u_next
     else:
         for k0 in range(k_lo, k_full, TILE):
             u = _words(rows, mask_n, wtile, k0, k_hi, PER, EVEN_N, False)
             acc = _tile(acc, u, x_ptr, xw_ptr, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile, k0, k_hi, GROUP,
-                        stride_sn, BITS, HAS_MIN, EVEN_N, False, ASM, BLOCK_N, GROUPS, GROUP_WORDS)
+                        stride_sn, BITS, HAS_MIN, EVEN_N, False, ASM, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
     if not EVEN_K:
         if k_full < k_hi:
             u = _words(rows, mask_n, wtile, k_full, k_hi, PER, EVEN_N, True)
             acc = _tile(acc, u, x_ptr, xw_ptr, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile, k_full, k_hi, GROUP,
-                        stride_sn, BITS, HAS_MIN, EVEN_N, True, ASM, BLOCK_N, GROUPS, GROUP_WORDS)
+                        stride_sn, BITS, HAS_MIN, EVEN_N, True, ASM, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
     res = tl.sum(tl.sum(acc, 2), 1)
     if HAS_BIAS and SPLIT == 1:
         res += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + pid_k * stride_os + offs_n, res.to(out_ptr.dtype.element_ty), mask=mask_n)
+    if SILU_MUL:  # one K split: silu(gate) * up, rounded as the GEMV and then the activation kernel round it
+        g, up = tl.split(tl.reshape(res, [BLOCK_N // 2, 2]))
+        oc = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + oc, _silu_mul_pairs(g, up, out_ptr), mask=oc < N // 2)
+    else:
+        tl.store(out_ptr + pid_k * stride_os + offs_n, res.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 @dataclass(frozen=True)
@@ -305,8 +223,9 @@ class QuantGemvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    asm: bool = True  # 4-bit codes with float16 x on CUDA: products in float16x2 PTX (see _W4_DOT8_ASM)
+    asm: bool = True  # float16 x on CUDA: products in float16x2 PTX (see _W4_DOT8_ASM and _W8_DOT4_ASM)
     prefetch: bool = False  # load tile i + 1's words before tile i's products (registers double-buffered)
+    pair: bool = False  # with asm: two words' products summed in float16x2 before one conversion (_W4_DOT16_ASM)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "words"):
@@ -356,7 +275,8 @@ def supports(x: torch.Tensor, pw: PackedWeight) -> bool:
 # Measured at one row on Llama-2-7B's projections: on an H100 the static default (16 rows, 512 bytes of a row a tile,
 # four warps) won at 4 bits and the general kernel matched the word GEMV at 8 bits; on an H200, 16 rows of 256 bytes
 # on two warps with the next tile's words loaded ahead (``prefetch``) was 9-11% faster on qkv and gate_up at 4 bits,
-# and the word GEMV 5-8% faster than the general kernel at 8 bits. ``ROOFLM_QUANT_GEMV=default`` keeps the static
+# and the word GEMV 5-8% faster than the general kernel at 8 bits (then 20-25% more with its float16x2 form, and a
+# few percent more on some shapes with ``pair``). ``ROOFLM_QUANT_GEMV=default`` keeps the static
 # choice (the word GEMV with ``default_gemv_config`` at 4 bits, the general kernel at 8).
 _gemv_picked: dict[tuple, "QuantGemvConfig | None"] = {}
 
@@ -368,13 +288,16 @@ def gemv_candidates(n: int, k: int, bits: int, group_size: int, sms: int) -> lis
     if bits == 4:
         out: list[QuantGemvConfig | None] = [default_gemv_config(n, k, bits, group_size, sms),
                                               QuantGemvConfig(16, 64, 1, 2, 3, prefetch=True),
-                                              QuantGemvConfig(32, 64, 1, 2, 3)]
+                                              QuantGemvConfig(32, 64, 1, 2, 3),
+                                              QuantGemvConfig(32, 64, 1, 2, 3, pair=True)]
         if split:
             out.append(QuantGemvConfig(16, 64, 4, 2, 3, prefetch=True))
     else:
-        out = [None, QuantGemvConfig(8, 128, 1, 2, 3), QuantGemvConfig(16, 128, 1, 4, 3)]
+        out = [None, QuantGemvConfig(8, 128, 1, 2, 3), QuantGemvConfig(16, 128, 1, 4, 3),
+               QuantGemvConfig(16, 128, 1, 4, 3, pair=True)]
         if split:
-            out += [QuantGemvConfig(16, 128, 4, 2, 3), QuantGemvConfig(32, 128, 4, 4, 3)]
+            out += [QuantGemvConfig(16, 128, 4, 2, 3), QuantGemvConfig(32, 128, 4, 4, 3),
+                    QuantGemvConfig(32, 128, 4, 4, 3, pair=True)]
     return [c for c in out if c is None or tile_groups(c.words, k, bits, group_size) is not None]
 
 
@@ -400,6 +323,60 @@ def pick_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> "
     if not capturing:
         _gemv_picked[key] = pick
     return pick
+
+
+# SiLU-and-mul as the epilogue of gate_up's word GEMV (as ``rooflm.kernels.fused_gemv.gemv_silu_mul`` does for
+# float weights): a program takes rows j of gate and j of up, so it holds both sums of an output column and stores
+# silu(gate) * up; the activation's launch and the [1, 2 x intermediate] round trip disappear, the bytes streamed
+# stay the same. Equal, bit for bit, to the same configuration's GEMV followed by the activation kernel.
+_silu_picked: dict[tuple, "QuantGemvConfig | None"] = {}
+
+
+def pick_gemv_silu_mul(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> "QuantGemvConfig | None":
+    """The configuration to run ``gemv_silu_mul`` with for one row x and a [gate | up] packed weight, or None where
+    the GEMV followed by the activation kernel was faster or the shapes do not suit the word GEMV. Timed once per
+    shape on CUDA, outside CUDA-graph capture, against that unfused pair (``pick_gemv``'s choice then the activation
+    kernel); None elsewhere, inside a capture of an unseen shape, and with ``ROOFLM_QUANT_GEMV=default``."""
+    N, K = pw.out_features, pw.in_features
+    if N % 2 or not supports(x, pw):
+        return None
+    key = (N, K, pw.bits, pw.group_size, pw.mins is not None, bias is not None, x.dtype, x.device)
+    if key in _silu_picked:
+        return _silu_picked[key]
+    if (not x.is_cuda or interpreting() or torch.cuda.is_current_stream_capturing()
+            or os.environ.get("ROOFLM_QUANT_GEMV", "auto") == "default"):
+        return None
+    from rooflm.kernels.activation import silu_and_mul
+    from rooflm.kernels.gemv import time_in_graph
+    from rooflm.kernels.quant_gemm import launch, pick_config
+
+    plain = pick_gemv(x, pw, bias)
+    cands = [c for c in gemv_candidates(N, K, pw.bits, pw.group_size, device_sms(x))
+             if c is not None and c.split_k == 1 and c.block_n >= 2]
+    copies = packed_copies(pw)
+    xs = torch.randn_like(x)
+    general = pick_config(xs, pw, bias)
+
+    def unfused(w: PackedWeight) -> torch.Tensor:
+        return silu_and_mul(launch_gemv(xs, w, bias, plain) if plain is not None else launch(xs, w, bias, general))
+
+    best: tuple[float, QuantGemvConfig | None] = (time_in_graph(unfused, copies, x.device), None)
+    for c in cands:
+        t = time_in_graph(lambda w, c=c: launch_gemv(xs, w, bias, c, silu_mul=True), copies, x.device)
+        if t < best[0]:
+            best = (t, c)
+    _silu_picked[key] = best[1]
+    return best[1]
+
+
+def gemv_silu_mul(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
+                  cfg: QuantGemvConfig) -> torch.Tensor:
+    """silu(gate) * up of x @ W.T (+ bias) for one row x [1, K] and a [gate | up] packed W, in one launch."""
+    if pw.perm is not None:
+        x = x.index_select(1, pw.perm)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return launch_gemv(x, pw, bias, cfg, silu_mul=True)
 
 
 def packed_copies(pw: PackedWeight) -> list[PackedWeight]:
@@ -451,9 +428,14 @@ def default_gemv_config(n: int, k: int, bits: int, group_size: int, sms: int) ->
 
 
 def launch_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
-                cfg: QuantGemvConfig | None = None) -> torch.Tensor:
-    """out [1, N] = x [1, K] @ dequantize(pw).T (+ bias); x already gathered by ``pw.perm``, contiguous."""
+                cfg: QuantGemvConfig | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """out [1, N] = x [1, K] @ dequantize(pw).T (+ bias); x already gathered by ``pw.perm``, contiguous. With
+    ``silu_mul`` (W is [gate | up]): silu(gate) * up [1, N / 2] in the roundings of the GEMV followed by
+    ``rooflm.kernels.activation.silu_and_mul``, in one launch (K is not split then)."""
     N, K = pw.out_features, pw.in_features
+    if silu_mul and (N % 2 or cfg is None or cfg.block_n < 2):
+        raise ValueError(f"silu_mul needs an even number of rows ([gate | up]; got {N}) and a configuration of at "
+                         f"least two rows a program (got {cfg})")
     words = gemv_words(pw)
     if words is None or x.shape[0] != 1:
         raise ValueError(f"the word GEMV needs one row of x and a word-aligned qweight (x {tuple(x.shape)}, "
@@ -464,21 +446,23 @@ def launch_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
         raise ValueError(f"{cfg}: no tile of this kernel fits group_size={pw.group_size} with K={K}")
     tile = cfg.words * 32 // pw.bits
     tiles = triton.cdiv(K, tile)
-    split = max(1, min(cfg.split_k, tiles))
+    split = 1 if silu_mul else max(1, min(cfg.split_k, tiles))
     k_per_split = triton.cdiv(tiles, split) * tile
     split = triton.cdiv(K, k_per_split)
-    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    out = torch.empty(1, N // 2 if silu_mul else N, dtype=x.dtype, device=x.device)
     dst = out if split == 1 else torch.empty(split, 1, N, dtype=torch.float32, device=x.device)
     b = bias if bias is not None else pw.scales
-    asm = (cfg.asm and pw.bits == 4 and x.dtype == torch.float16 and x.is_cuda and not interpreting()
+    asm = (cfg.asm and x.dtype == torch.float16 and x.is_cuda and not interpreting()
            and x.data_ptr() % 4 == 0)
     xw = x.view(torch.int32) if asm else x
     _quant_gemv_kernel[(triton.cdiv(N, cfg.block_n), split)](
         x, xw, words, pw.scales, pw.mins if pw.mins is not None else pw.scales, b, dst,
         N, K, pw.group_size, k_per_split, words.stride(0), pw.scales.stride(0), N if split > 1 else 0,
         BITS=pw.bits, HAS_MIN=pw.mins is not None, HAS_BIAS=bias is not None, SPLIT=split,
-        EVEN_N=N % cfg.block_n == 0, EVEN_K=K % tile == 0, BLOCK_N=cfg.block_n, GROUPS=shape[0],
-        GROUP_WORDS=shape[1], ASM=asm, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_N=(N // 2) % (cfg.block_n // 2) == 0 if silu_mul else N % cfg.block_n == 0, EVEN_K=K % tile == 0,
+        BLOCK_N=cfg.block_n, GROUPS=shape[0],
+        GROUP_WORDS=shape[1], ASM=asm, PREFETCH=cfg.prefetch, PAIR=asm and cfg.pair and shape[1] >= 2,
+        SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:
         block = 1024

@@ -146,9 +146,16 @@ class LlamaMLP(nn.Module):
         epilogue, where the Triton path takes the rows (decode sizes, a float weight) and that was measured faster
         than the GEMV followed by the activation kernel; None otherwise."""
         proj = self.gate_up_proj
-        if not (self.act_down.fuse and isinstance(self.act_and_mul, SiluAndMul) and not proj.quantized
-                and not proj.fp8_tensor_cores and x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS):
+        if not (self.act_down.fuse and isinstance(self.act_and_mul, SiluAndMul) and not proj.fp8_tensor_cores
+                and x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS):
             return None
+        if proj.quantized:  # one row of a packed weight on CUDA: the word GEMV's epilogue
+            pw = proj.packed_weight
+            if pw is None or not x.is_cuda or x.shape[0] != 1:
+                return None
+            from rooflm.kernels.quant_gemv import pick_gemv_silu_mul as pick_packed
+
+            return pick_packed(x, pw, proj.bias)
         from rooflm.kernels.fused_gemv import pick_gemv_silu_mul
 
         return pick_gemv_silu_mul(x, proj.weight, proj.bias)
@@ -158,9 +165,14 @@ class LlamaMLP(nn.Module):
         cfg = self.gate_up_act_config(x)
         if cfg is None:
             return None
+        proj = self.gate_up_proj
+        if proj.quantized:
+            from rooflm.kernels.quant_gemv import gemv_silu_mul as packed_silu_mul
+
+            return packed_silu_mul(x, proj.packed_weight, proj.bias, cfg)
         from rooflm.kernels.fused_gemv import gemv_silu_mul
 
-        return gemv_silu_mul(x, self.gate_up_proj.weight, self.gate_up_proj.bias, cfg)
+        return gemv_silu_mul(x, proj.weight, proj.bias, cfg)
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """act(gate) * up, projected down; summed over the tensor-parallel ranks (row-parallel down_proj)."""
