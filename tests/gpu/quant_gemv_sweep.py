@@ -41,7 +41,7 @@ def grid(n: int, k: int, bits: int, sms: int, asm: tuple[bool, ...] = (True,), p
     from rooflm.kernels.quant_gemv import QuantGemvConfig
 
     splits = (1, 2, 4) if -(-n // 16) < 2 * sms else (1,)
-    for bn, words, split, warps, pre, a, pr in itertools.product((8, 16, 32), (64, 128), splits, (2, 4, 8),
+    for bn, words, split, warps, pre, a, pr in itertools.product((8, 16, 32, 64), (64, 128), splits, (2, 4, 8),
                                                                  (False, True), asm, pair):
         if bn * words // (32 * warps) < 1 or (pr and not a):
             continue

@@ -289,9 +289,10 @@ def gemv_candidates(n: int, k: int, bits: int, group_size: int, sms: int) -> lis
         out: list[QuantGemvConfig | None] = [default_gemv_config(n, k, bits, group_size, sms),
                                               QuantGemvConfig(16, 64, 1, 2, 3, prefetch=True),
                                               QuantGemvConfig(32, 64, 1, 2, 3),
-                                              QuantGemvConfig(32, 64, 1, 2, 3, pair=True)]
+                                              QuantGemvConfig(32, 64, 1, 2, 3, pair=True),
+                                              QuantGemvConfig(32, 128, 1, 4, 3, pair=True)]
         if split:
-            out.append(QuantGemvConfig(16, 64, 4, 2, 3, prefetch=True))
+            out += [QuantGemvConfig(16, 64, 4, 2, 3, prefetch=True), QuantGemvConfig(32, 64, 4, 4, 3, pair=True)]
     else:
         out = [None, QuantGemvConfig(8, 128, 1, 2, 3), QuantGemvConfig(16, 128, 1, 4, 3),
                QuantGemvConfig(16, 128, 1, 4, 3, pair=True)]
