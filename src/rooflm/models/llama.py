@@ -143,8 +143,8 @@ class LlamaMLP(nn.Module):
 
     def gate_up_act_config(self, x: torch.Tensor):
         """The GEMV configuration that computes act(gate) * up of gate_up_proj(x) with the activation as its
-        epilogue, where the Triton path takes the rows (decode sizes, a float weight) and that was measured faster
-        than the GEMV followed by the activation kernel; None otherwise."""
+        epilogue, where the Triton path takes the rows (decode sizes with a float weight, one row of a packed one on
+        CUDA) and that was measured faster than the GEMV followed by the activation kernel; None otherwise."""
         proj = self.gate_up_proj
         if not (self.act_down.fuse and isinstance(self.act_and_mul, SiluAndMul) and not proj.fp8_tensor_cores
                 and x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS):
