@@ -400,3 +400,20 @@ def check_decode_new_token(num_heads, num_kv_heads, head_dim, block_size, lens, 
                                      new_kv=NewTokenKV(k, v, cos, sin, slots))
     assert_close(fused, ref, dtype, what)
     assert_close(fused_cache.nan_to_num(7.0), ref_cache.nan_to_num(7.0), dtype, what + " (cache)")
+
+
+def tiny_llama(device: str, layers: int = 2, seed: int = 4, hidden: int = 64, inter: int = 48, heads: int = 4,
+               kv_heads: int = 2, vocab: int = 96, std: float = 0.1):
+    """A float16 Llama with dummy weights whose ops chose the Triton path (the interpreter on the CPU)."""
+    from rooflm.config import ModelConfig
+    from rooflm.layers.custom_op import op_selection
+    from rooflm.loader.dummy import init_dummy_weights
+    from rooflm.models import get_model_class
+
+    cfg = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+                                    "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+                                    "num_attention_heads": heads, "num_key_value_heads": kv_heads})
+    with torch.device(device), op_selection(device, ops="triton"):
+        model = get_model_class(cfg)(cfg).half()
+    init_dummy_weights(model, seed=seed, std=std)
+    return model

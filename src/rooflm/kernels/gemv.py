@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels._tl import dot, dot_upcast
+from rooflm.kernels._tl import add_sumsq_store, dot, dot_upcast, rstd_from_partials
 from rooflm.kernels._utils import interpreting
 
 
@@ -36,10 +36,13 @@ PRO_NONE = 0  # x as it is
 PRO_RMSNORM = 1  # rms_norm(x [+ residual]) * norm_weight, in the roundings of rooflm/kernels/rmsnorm.py
 PRO_SILU_MUL = 2  # silu(gate) * up of a [gate | up] row, in the roundings of rooflm/kernels/activation.py
 PRO_RMSNORM_ONE_PASS = 3  # M == 1, one K split: sum(W * (x [+ residual]) * norm_weight) * rstd, in float32
+PRO_RMSNORM_SUMSQ = 4  # M == 1: x is residual * norm_weight from EPI 2; the sums times 1/rms from its partial sums
 # ... and what it does with its sums before it stores them (an "epilogue"):
 EPI_NONE = 0
 EPI_SILU_MUL = 1  # W is [gate | up] (2N rows): each program takes N-rows of gate and the same rows of up, stores
                   # silu(gate) * up [M, N] with the roundings of rooflm/kernels/activation.py; one K split only
+EPI_ADD_SUMSQ = 2  # M == 1, one K split: h = out + residual (rounded as the add + norm kernel rounds it) to
+                   # residual_out, h * norm_weight to out, each program's sum(h^2) to sumsq (see add_sumsq_store)
 
 
 @triton.jit
@@ -97,9 +100,13 @@ def _silu_mul_pairs(g, u, out_ptr):
 
 
 @triton.jit
-def _store_row(out_ptr, acc, offs_n, mask_n, pid_n, N, BLOCK_N: tl.constexpr, EPI: tl.constexpr):
-    """One row's BLOCK_N sums: stored as they are, or (EPI 1) as silu(gate) * up of their interleaved pairs."""
-    if EPI == 1:
+def _store_row(out_ptr, acc, offs_n, mask_n, pid_n, N, r_ptr, nw_ptr, ro_ptr, ss_ptr, BLOCK_N: tl.constexpr,
+               EPI: tl.constexpr):
+    """One row's BLOCK_N sums: stored as they are, (EPI 1) as silu(gate) * up of their interleaved pairs, or (EPI 2)
+    through ``add_sumsq_store``."""
+    if EPI == 2:
+        add_sumsq_store(out_ptr, acc, offs_n, mask_n, pid_n, r_ptr, nw_ptr, ro_ptr, ss_ptr)
+    elif EPI == 1:
         g, u = tl.split(tl.reshape(acc, [BLOCK_N // 2, 2]))
         oc = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(out_ptr + oc, _silu_mul_pairs(g, u, out_ptr), mask=oc < N)
@@ -112,12 +119,13 @@ def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_om, stride_os,
-    r_ptr, nw_ptr, ro_ptr, stride_rm, stride_rom, eps, up_off,
+    r_ptr, nw_ptr, ro_ptr, stride_rm, stride_rom, eps, up_off, ss_ptr, n_ss,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     PRO: tl.constexpr = 0, HAS_RES: tl.constexpr = False, WRITE_RES: tl.constexpr = False, EPI: tl.constexpr = 0,
+    SS_BLOCK: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -222,7 +230,7 @@ def _gemv_kernel(
         acc = tl.sum(acc2, 1) * tl.rsqrt(tl.sum(ss, 0) / K + eps)
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        _store_row(out_ptr, acc, offs_n, mask_n, pid_n, N, BLOCK_N, EPI)
+        _store_row(out_ptr, acc, offs_n, mask_n, pid_n, N, r_ptr, nw_ptr, ro_ptr, ss_ptr, BLOCK_N, EPI)
     else:  # M == 1
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -242,14 +250,18 @@ def _gemv_kernel(
                 w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
         acc = tl.sum(acc2, 1)
+        if PRO == 4:
+            acc = acc * rstd_from_partials(ss_ptr, n_ss, K, eps, SS_BLOCK)
         if HAS_BIAS and SPLIT == 1:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        _store_row(out_ptr + pid_k * stride_os, acc, offs_n, mask_n, pid_n, N, BLOCK_N, EPI)
+        _store_row(out_ptr + pid_k * stride_os, acc, offs_n, mask_n, pid_n, N, r_ptr, nw_ptr, ro_ptr, ss_ptr, BLOCK_N,
+                   EPI)
 
 
 @triton.jit
-def _splitk_reduce_kernel(ws_ptr, b_ptr, out_ptr, M, N, stride_om,
-                          SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _splitk_reduce_kernel(ws_ptr, b_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BLOCK: tl.constexpr, r_ptr=None, nw_ptr=None, ro_ptr=None, ss_ptr=None,
+                          ADD_SUMSQ: tl.constexpr = False):  # ADD_SUMSQ: M == 1, EPI 2 on the totals
     m = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -258,7 +270,10 @@ def _splitk_reduce_kernel(ws_ptr, b_ptr, out_ptr, M, N, stride_om,
         acc += tl.load(ws_ptr + (s * M + m) * N + offs, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if ADD_SUMSQ:
+        add_sumsq_store(out_ptr, acc, offs, mask, tl.program_id(1), r_ptr, nw_ptr, ro_ptr, ss_ptr)
+    else:
+        tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -314,10 +329,12 @@ def launch_gemv(
     x2: torch.Tensor, K: int, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
     prologue: int = PRO_NONE, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
     eps: float = 0.0, residual_out: torch.Tensor | None = None, up_offset: int = 0, epilogue: int = EPI_NONE,
+    sumsq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The launch behind ``gemv`` and the fused projections: x2 [M, *] row-major in its last dim, the product over
     its first K columns (after ``prologue``), then ``epilogue``. Callers check shapes. Returns out [M, N] (N: the
-    weight's rows, half of them under ``EPI_SILU_MUL``)."""
+    weight's rows, half of them under ``EPI_SILU_MUL``). ``sumsq``: float32 partial sums of squares, written under
+    ``EPI_ADD_SUMSQ`` (one per program) and read under ``PRO_RMSNORM_SUMSQ``."""
     M = x2.shape[0]
     N = weight.shape[0]
     rows_per_program = cfg.block_n
@@ -341,12 +358,15 @@ def launch_gemv(
     r = residual if residual is not None else x2
     ro = residual_out if residual_out is not None else x2
     nw = norm_weight if norm_weight is not None else weight
+    ss = sumsq if sumsq is not None else nw
+    n_ss = sumsq.numel() if sumsq is not None else 1
     _gemv_kernel[(triton.cdiv(N, rows_per_program), split)](
         x2, weight, b, dst, M, N, K, k_per_split, x2.stride(0), weight.stride(0), dst.stride(-2), stride_s,
-        r, nw, ro, r.stride(0), ro.stride(0), float(eps), up_offset,
+        r, nw, ro, r.stride(0), ro.stride(0), float(eps), up_offset, ss, n_ss,
         HAS_BIAS=bias is not None, SPLIT=split, USE_DOT=cfg.use_dot, EVEN_N=N % rows_per_program == 0,
         EVEN_K=even_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_UPCAST=dot_upcast(x2.dtype),
-        PRO=prologue, HAS_RES=residual is not None, WRITE_RES=residual_out is not None, EPI=epilogue,
+        PRO=prologue, HAS_RES=residual is not None and epilogue != EPI_ADD_SUMSQ,
+        WRITE_RES=residual_out is not None, EPI=epilogue, SS_BLOCK=triton.next_power_of_2(n_ss),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:

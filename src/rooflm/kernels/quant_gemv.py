@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rooflm.kernels._tl import add_sumsq_store, rstd_from_partials
 from rooflm.kernels._utils import device_sms, interpreting
 from rooflm.kernels.gemv import _silu_mul_pairs, _splitk_reduce_kernel
 from rooflm.kernels.quant_gemv_ptx import _halves, _w4_f16x2, _w8_f16x2
@@ -160,7 +161,8 @@ def _quant_gemv_kernel(
     BITS: tl.constexpr, HAS_MIN: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
     GROUP_WORDS: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, PAIR: tl.constexpr,
-    SILU_MUL: tl.constexpr,
+    SILU_MUL: tl.constexpr, r_ptr=None, nw_ptr=None, ro_ptr=None, ss_ptr=None, n_ss=1, eps=0.0,
+    ADD_SUMSQ: tl.constexpr = False, RSTD: tl.constexpr = False, SS_BLOCK: tl.constexpr = 1,
 ):
     # A tile is [BLOCK_N rows, GROUPS groups, GROUP_WORDS words]: GROUPS > 1 only when a group is exactly
     # GROUP_WORDS words, so each (row, group) pair has one scale and min per tile. Whole tiles load unmasked; where
@@ -203,12 +205,16 @@ def _quant_gemv_kernel(
             acc = _tile(acc, u, x_ptr, xw_ptr, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile, k_full, k_hi, GROUP,
                         stride_sn, BITS, HAS_MIN, EVEN_N, True, ASM, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
     res = tl.sum(tl.sum(acc, 2), 1)
+    if RSTD:  # the consumer of rooflm/kernels/handoff_gemv.py: x is h * norm_weight, the sums times 1/rms(h)
+        res = res * rstd_from_partials(ss_ptr, n_ss, K, eps, SS_BLOCK)
     if HAS_BIAS and SPLIT == 1:
         res += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if SILU_MUL:  # one K split: silu(gate) * up, rounded as the GEMV and then the activation kernel round it
         g, up = tl.split(tl.reshape(res, [BLOCK_N // 2, 2]))
         oc = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(out_ptr + oc, _silu_mul_pairs(g, up, out_ptr), mask=oc < N // 2)
+    elif ADD_SUMSQ and SPLIT == 1:  # the producer of rooflm/kernels/handoff_gemv.py
+        add_sumsq_store(out_ptr, res, offs_n, mask_n, pid_n, r_ptr, nw_ptr, ro_ptr, ss_ptr)
     else:
         tl.store(out_ptr + pid_k * stride_os + offs_n, res.to(out_ptr.dtype.element_ty), mask=mask_n)
 
@@ -429,10 +435,14 @@ def default_gemv_config(n: int, k: int, bits: int, group_size: int, sms: int) ->
 
 
 def launch_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
-                cfg: QuantGemvConfig | None = None, silu_mul: bool = False) -> torch.Tensor:
+                cfg: QuantGemvConfig | None = None, silu_mul: bool = False, add_sumsq: tuple | None = None,
+                rstd_sumsq: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """out [1, N] = x [1, K] @ dequantize(pw).T (+ bias); x already gathered by ``pw.perm``, contiguous. With
     ``silu_mul`` (W is [gate | up]): silu(gate) * up [1, N / 2] in the roundings of the GEMV followed by
-    ``rooflm.kernels.activation.silu_and_mul``, in one launch (K is not split then)."""
+    ``rooflm.kernels.activation.silu_and_mul``, in one launch (K is not split then). The two halves of
+    ``rooflm/kernels/handoff_gemv.py``: ``add_sumsq`` = (residual, norm_weight, h, sumsq) makes out h * norm_weight
+    with h = out + residual written to h and sum(h^2) per ``cfg.block_n`` rows to sumsq; ``rstd_sumsq`` (partial
+    sums of squares of the row x was made from) scales the sums by 1/rms."""
     N, K = pw.out_features, pw.in_features
     if silu_mul and (N % 2 or cfg is None or cfg.block_n < 2):
         raise ValueError(f"silu_mul needs an even number of rows ([gate | up]; got {N}) and a configuration of at "
@@ -456,6 +466,9 @@ def launch_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
     asm = (cfg.asm and x.dtype == torch.float16 and x.is_cuda and not interpreting()
            and x.data_ptr() % 4 == 0)
     xw = x.view(torch.int32) if asm else x
+    r, nw, h, ss = add_sumsq if add_sumsq is not None else (None,) * 4
+    ss = rstd_sumsq if rstd_sumsq is not None else ss
+    hand = dict(r_ptr=r, nw_ptr=nw, ro_ptr=h, ss_ptr=ss, ADD_SUMSQ=add_sumsq is not None)
     _quant_gemv_kernel[(triton.cdiv(N, cfg.block_n), split)](
         x, xw, words, pw.scales, pw.mins if pw.mins is not None else pw.scales, b, dst,
         N, K, pw.group_size, k_per_split, words.stride(0), pw.scales.stride(0), N if split > 1 else 0,
@@ -463,10 +476,12 @@ def launch_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
         EVEN_N=(N // 2) % (cfg.block_n // 2) == 0 if silu_mul else N % cfg.block_n == 0, EVEN_K=K % tile == 0,
         BLOCK_N=cfg.block_n, GROUPS=shape[0],
         GROUP_WORDS=shape[1], ASM=asm, PREFETCH=cfg.prefetch, PAIR=asm and cfg.pair and shape[1] >= 2,
-        SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SILU_MUL=silu_mul, n_ss=ss.numel() if ss is not None else 1, eps=float(eps), RSTD=rstd_sumsq is not None,
+        SS_BLOCK=triton.next_power_of_2(ss.numel()) if ss is not None else 1, **hand,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split > 1:
-        block = 1024
+    if split > 1:  # one reduce program per cfg.block_n rows under add_sumsq: one partial sum each, as unsplit
+        block = cfg.block_n if add_sumsq is not None else 1024
         _splitk_reduce_kernel[(1, triton.cdiv(N, block))](dst, b, out, 1, N, out.stride(0), SPLIT=split,
-                                                       HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+                                                       HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **hand)
     return out

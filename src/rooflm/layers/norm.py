@@ -7,6 +7,8 @@ add, the norm and the projection as one GEMV launch at decode sizes (``rooflm/ke
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,8 +44,29 @@ def add_rms_norm(
     return rms_norm(residual, weight, eps), residual
 
 
+@dataclass
+class NormHandoff:
+    """What a decoder layer passes on instead of (hidden, residual) where its last projection already did the
+    residual add before the next norm (one decode row, the Triton path; ``rooflm/kernels/handoff_gemv.py``):
+    ``residual`` is the new residual stream (x + residual, rounded as the add + norm kernel rounds it), ``scaled``
+    residual * the next norm's weight (rounded), ``sumsq`` float32 partial sums of residual^2 (the norm's statistic,
+    still to be added up) and ``config`` the GEMV configuration measured for the projection after the norm. Any
+    norm that receives one normalises ``residual``."""
+
+    residual: torch.Tensor
+    scaled: torch.Tensor
+    sumsq: torch.Tensor
+    config: object  # rooflm.kernels.gemv.GemvConfig (not imported here: kernels load lazily)
+
+
 class RMSNorm(CustomOp):
-    """``norm(x)``, or with ``residual``: (norm(x + residual), x + residual)."""
+    """``norm(x)``, or with ``residual``: (norm(x + residual), x + residual); for a ``NormHandoff`` x (the add already
+    done): (norm(x.residual), x.residual)."""
+
+    def forward(self, x, residual=None):  # type: ignore[override]
+        if isinstance(x, NormHandoff):
+            return super().forward(x.residual), x.residual
+        return super().forward(x, residual)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -126,6 +149,26 @@ class RMSNormLinear(CustomOp):
                 cfg, one_pass = pick
                 return rmsnorm_gemv(x, norm.weight, norm.eps, proj.weight, proj.bias, cfg, residual, one_pass)
         return self.forward_native(x, residual)  # the two modules, each on the path it chose
+
+    def from_handoff(self, hand: NormHandoff, silu_mul: bool = False) -> torch.Tensor:
+        """proj(norm(hand.residual)) in one launch from ``hand.scaled``, the statistic from the partial sums the
+        previous projection left (``rmsnorm_sumsq_gemv``); with ``silu_mul`` silu(gate) * up of it (``proj``: a [gate
+        | up] projection)."""
+        from rooflm.kernels.handoff_gemv import rmsnorm_sumsq_gemv
+
+        norm, proj = self._parts
+        if proj.quantized:
+            from rooflm.kernels.handoff_gemv import packed_rmsnorm_sumsq_gemv
+
+            return packed_rmsnorm_sumsq_gemv(hand.scaled, hand.sumsq, norm.eps, proj.packed_weight, proj.bias,
+                                             hand.config, silu_mul)
+        return rmsnorm_sumsq_gemv(hand.scaled, hand.sumsq, norm.eps, proj.weight, proj.bias, hand.config, silu_mul)
+
+    def handoff_ready(self) -> bool:
+        """Whether ``from_handoff`` can run this op: the Triton path with fusions allowed, a float or packed weight."""
+        proj = self._parts[1]
+        return (getattr(self, "fuse", False) and not proj.fp8_tensor_cores
+                and (not proj.quantized or proj.packed_weight is not None))
 
     def norm_gemv_silu_mul(self, x: torch.Tensor,
                            residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -37,7 +37,7 @@ from rooflm.layers.activation import SiluAndMul, SiluAndMulLinear, get_gated_act
 from rooflm.layers.attention import Attention
 from rooflm.layers.embedding import LMHead, VocabEmbedding
 from rooflm.layers.linear import GEMV_MAX_ROWS, Linear
-from rooflm.layers.norm import AllReduceRMSNorm, RMSNorm, RMSNormLinear
+from rooflm.layers.norm import AllReduceRMSNorm, NormHandoff, RMSNorm, RMSNormLinear
 from rooflm.layers.rotary import RotaryEmbedding
 from rooflm.models.cpu_lean import lean_plan, run_lean_layers
 from rooflm.models.weights import WeightTarget, load_named_weights, rows
@@ -91,14 +91,17 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
+        out = self.o_proj(self.attention_output(qkv, cos, sin, kv_cache, meta))
+        return tp_all_reduce(out) if self.tp_size > 1 and self.reduce_output else out
+
+    def attention_output(self, qkv, cos, sin, kv_cache, meta) -> torch.Tensor:  # [T, q_size]: o_proj's input
         T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         # The backend rotates q, k, writes k, v into the paged cache, then attends over the cache.
-        out = self.o_proj(self.attn(q, k, v, cos, sin, kv_cache, meta))
-        return tp_all_reduce(out) if self.tp_size > 1 and self.reduce_output else out
+        return self.attn(q, k, v, cos, sin, kv_cache, meta)
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         """HF names ``{prefix}.q_proj.weight`` etc. -> row ranges of the fused qkv_proj."""
@@ -220,6 +223,11 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp_norm_gate_up = (RMSNormLinear(self.post_attention_layernorm, self.mlp.gate_up_proj)
                                  if isinstance(self.mlp, LlamaMLP) else None)
         self.tp = get_tp_size() > 1
+        # the next layer's input norm and qkv_proj on this pipeline stage (set by the model), for _down's handoff
+        self.next_norm_qkv: RMSNormLinear | None = None
+        # a dense SwiGLU MLP without tensor parallelism: its projections may hand the norms' adds on (_handoff)
+        self.handoff_allowed = (not self.tp and isinstance(self.mlp, LlamaMLP)
+                                and isinstance(self.mlp.act_and_mul, SiluAndMul))
         if self.tp:
             self.self_attn.reduce_output = self.mlp.reduce_output = False
             self.reduce_input_norm = AllReduceRMSNorm(self.input_layernorm)
@@ -239,17 +247,59 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.tp:
             return self._forward_tp(hidden, residual, cos, sin, kv_cache, meta)
-        qkv, residual = self.attn_norm_qkv(hidden, residual)  # residual None (first layer): the embeddings
-        hidden = self.self_attn.attend(qkv, cos, sin, kv_cache, meta)
+        if isinstance(hidden, NormHandoff):  # the previous layer's down_proj did the add (see _down)
+            qkv, residual = self.attn_norm_qkv.from_handoff(hidden), hidden.residual
+        else:
+            qkv, residual = self.attn_norm_qkv(hidden, residual)  # residual None (first layer): the embeddings
+        attn = self.self_attn.attention_output(qkv, cos, sin, kv_cache, meta)
+        hand = self._handoff(attn, self.self_attn.o_proj, residual, self.mlp_norm_gate_up, True)
+        if hand is not None:  # o_proj did the add; gate_up_proj the norm and the activation
+            return self._down(self.mlp_norm_gate_up.from_handoff(hand, silu_mul=True), hand.residual)
+        hidden = self.self_attn.o_proj(attn)
         if self.mlp_norm_gate_up is not None:
             fused = self.mlp_norm_gate_up.norm_gemv_silu_mul(hidden, residual)  # one row: norm to activation
             if fused is not None:
-                return self.mlp.project(fused[0]), fused[1]
+                return self._down(fused[0], fused[1])
             if self.mlp.gate_up_act_config(hidden) is None:  # no activation in gate_up's GEMV: RMSNormLinear's
                 gate_up, residual = self.mlp_norm_gate_up(hidden, residual)  # choice (maybe the norm in it)
                 return self.mlp.down(gate_up), residual
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            return self._down(self.mlp.gate_up_act(hidden), residual)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def _handoff(self, x: torch.Tensor, proj: Linear, residual: torch.Tensor | None, after: RMSNormLinear | None,
+                 silu_mul: bool) -> NormHandoff | None:
+        """proj(x) + residual as a ``NormHandoff`` for ``after`` (the norm and projection that follow), where one row
+        runs on the Triton path with float weights and the handoff was measured faster (``pick_handoff``)."""
+        if (after is None or residual is None or x.shape[0] != 1 or not self.handoff_allowed
+                or proj.fp8_tensor_cores or not after.handoff_ready() or residual.shape != (1, proj.out_features)):
+            return None
+        from rooflm.kernels import handoff_gemv as hg
+
+        norm, nxt = after._parts
+        if proj.quantized != nxt.quantized:
+            return None
+        if proj.quantized:  # two packed weights: the word GEMV's epilogue and scale (rooflm/kernels/quant_gemv.py)
+            pw = proj.packed_weight
+            pick = (hg.pick_handoff_packed(x, pw, proj.bias, nxt.packed_weight, nxt.bias, norm.eps, silu_mul)
+                    if pw is not None and x.is_cuda else None)
+            if pick is None:
+                return None
+            y, h, sumsq = hg.packed_add_sumsq(x, pw, proj.bias, pick[0], residual, norm.weight)
+        else:
+            pick = hg.pick_handoff(x, proj.weight, proj.bias, nxt.weight, nxt.bias, norm.eps, silu_mul)
+            if pick is None:
+                return None
+            y, h, sumsq = hg.gemv_add_sumsq(x, proj.weight, proj.bias, pick[0], residual, norm.weight)
+        return NormHandoff(h, y, sumsq, pick[1])
+
+    def _down(self, act: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor | NormHandoff, torch.Tensor]:
+        """down_proj(act) and the residual stream; a ``NormHandoff`` for the next layer where ``_handoff`` applies."""
+        hand = self._handoff(act, self.mlp.down_proj, residual, self.next_norm_qkv, False)
+        if hand is not None:
+            return hand, hand.residual
+        return self.mlp.project(act), residual
 
     def _forward_tp(self, hidden, residual, cos, sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` on one tensor-parallel rank: partial sums in and out (see the class docstring)."""
@@ -289,6 +339,10 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(cfg, i) if self.start_layer <= i < self.end_layer
                                     else MissingLayer() for i in range(n))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        stage = [layer for layer in self.layers if not isinstance(layer, MissingLayer)]
+        for layer, nxt in zip(stage, stage[1:]):
+            if isinstance(layer, LlamaDecoderLayer) and isinstance(nxt, LlamaDecoderLayer):
+                layer.next_norm_qkv = nxt.attn_norm_qkv
         # under tensor parallelism the last layer's output is a partial sum (see LlamaDecoderLayer)
         self.reduce_norm = AllReduceRMSNorm(self.norm) if get_tp_size() > 1 else None
 
