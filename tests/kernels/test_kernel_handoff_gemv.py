@@ -141,6 +141,9 @@ def test_a_one_row_decode_step_hands_the_norms_over(device, layers, monkeypatch)
     from rooflm.layers.custom_op import select_ops
 
     model = tiny_llama(device, layers=layers, seed=5)
+    # each layer knows the next one's norm and qkv_proj without a second module name for them
+    assert not any("next_norm_qkv" in n for n, _ in model.named_modules(remove_duplicate=False))
+    assert [bool(layer.next_norm_qkv) for layer in model.model.layers] == [True] * (layers - 1) + [False]
     calls = {"add": 0, "norm": 0}
 
     def spy(name, fn):

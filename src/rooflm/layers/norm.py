@@ -50,8 +50,8 @@ class NormHandoff:
     residual add before the next norm (one decode row, the Triton path; ``rooflm/kernels/handoff_gemv.py``):
     ``residual`` is the new residual stream (x + residual, rounded as the add + norm kernel rounds it), ``scaled``
     residual * the next norm's weight (rounded), ``sumsq`` float32 partial sums of residual^2 (the norm's statistic,
-    still to be added up) and ``config`` the GEMV configuration measured for the projection after the norm. Any
-    norm that receives one normalises ``residual``."""
+    still to be added up) and ``config`` the GEMV configuration measured for the projection after the norm. Only
+    ``RMSNormLinear.from_handoff`` takes one: a layer hands over only to the next layer of its pipeline stage."""
 
     residual: torch.Tensor
     scaled: torch.Tensor
@@ -60,13 +60,7 @@ class NormHandoff:
 
 
 class RMSNorm(CustomOp):
-    """``norm(x)``, or with ``residual``: (norm(x + residual), x + residual); for a ``NormHandoff`` x (the add already
-    done): (norm(x.residual), x.residual)."""
-
-    def forward(self, x, residual=None):  # type: ignore[override]
-        if isinstance(x, NormHandoff):
-            return super().forward(x.residual), x.residual
-        return super().forward(x, residual)
+    """``norm(x)``, or with ``residual``: (norm(x + residual), x + residual)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()

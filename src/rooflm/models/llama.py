@@ -223,8 +223,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp_norm_gate_up = (RMSNormLinear(self.post_attention_layernorm, self.mlp.gate_up_proj)
                                  if isinstance(self.mlp, LlamaMLP) else None)
         self.tp = get_tp_size() > 1
-        # the next layer's input norm and qkv_proj on this pipeline stage (set by the model), for _down's handoff
-        self.next_norm_qkv: RMSNormLinear | None = None
+        # the next layer's input norm and qkv_proj on this pipeline stage, for _down's handoff (set by the model; a
+        # plain tuple, so not a second name for that module)
+        self.next_norm_qkv: tuple[RMSNormLinear, ...] = ()
         # a dense SwiGLU MLP without tensor parallelism: its projections may hand the norms' adds on (_handoff)
         self.handoff_allowed = (not self.tp and isinstance(self.mlp, LlamaMLP)
                                 and isinstance(self.mlp.act_and_mul, SiluAndMul))
@@ -271,7 +272,8 @@ class LlamaDecoderLayer(nn.Module):
     def _handoff(self, x: torch.Tensor, proj: Linear, residual: torch.Tensor | None, after: RMSNormLinear | None,
                  silu_mul: bool) -> NormHandoff | None:
         """proj(x) + residual as a ``NormHandoff`` for ``after`` (the norm and projection that follow), where one row
-        runs on the Triton path with float weights and the handoff was measured faster (``pick_handoff``)."""
+        runs on the Triton path with float (or two packed) weights and the handoff was measured faster
+        (``pick_handoff``, ``pick_handoff_packed``); None otherwise."""
         if (after is None or residual is None or x.shape[0] != 1 or not self.handoff_allowed
                 or proj.fp8_tensor_cores or not after.handoff_ready() or residual.shape != (1, proj.out_features)):
             return None
@@ -296,7 +298,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def _down(self, act: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor | NormHandoff, torch.Tensor]:
         """down_proj(act) and the residual stream; a ``NormHandoff`` for the next layer where ``_handoff`` applies."""
-        hand = self._handoff(act, self.mlp.down_proj, residual, self.next_norm_qkv, False)
+        nxt = self.next_norm_qkv[0] if self.next_norm_qkv else None
+        hand = self._handoff(act, self.mlp.down_proj, residual, nxt, False)
         if hand is not None:
             return hand, hand.residual
         return self.mlp.project(act), residual
@@ -342,7 +345,7 @@ class LlamaModel(nn.Module):
         stage = [layer for layer in self.layers if not isinstance(layer, MissingLayer)]
         for layer, nxt in zip(stage, stage[1:]):
             if isinstance(layer, LlamaDecoderLayer) and isinstance(nxt, LlamaDecoderLayer):
-                layer.next_norm_qkv = nxt.attn_norm_qkv
+                layer.next_norm_qkv = (nxt.attn_norm_qkv,)
         # under tensor parallelism the last layer's output is a partial sum (see LlamaDecoderLayer)
         self.reduce_norm = AllReduceRMSNorm(self.norm) if get_tp_size() > 1 else None
 
