@@ -144,7 +144,7 @@ def test_one_row_decode_hands_the_norms_over_between_packed_projections(method, 
     monkeypatch.setenv("ROOFLM_FUSED_GEMV", "on")  # handed over whatever the timing of these small shapes
     monkeypatch.setattr(hg, "_choices", {})
     calls = []
-    monkeypatch.setattr(hg, "packed_add_sumsq", lambda *a, _f=hg.packed_add_sumsq: calls.append(1) or _f(*a))
+    monkeypatch.setattr(hg, "packed_add_sumsq", lambda *a, _f=hg.packed_add_sumsq, **k: calls.append(1) or _f(*a, **k))
     caches = allocate_kv_caches(3, 8, 16, 4, 64, torch.float16, "cuda")
     logits = []
     for m in ("triton", "native"):

@@ -259,3 +259,71 @@ def test_pick_handoff_packed_declines_what_it_cannot_run(device, monkeypatch):
     monkeypatch.setenv("ROOFLM_FUSED_GEMV", "off")
     monkeypatch.setattr("rooflm.kernels.handoff_gemv._choices", {})
     assert pick_handoff_packed(x, p, None, c, None, 1e-6, False) is None
+
+
+def test_decode_launches_around_attention_with_programmatic_dependent_launch(device, monkeypatch):
+    """Where the attention backend launches decode attention with programmatic dependent launch, the one-row decode
+    step asks the handed-over qkv_proj (every layer after the first) to let it start early, o_proj (every layer) to
+    wait in place and let gate_up_proj start early, and gate_up_proj to wait in place; down_proj launches as before.
+    The logits are the same bits as without it (on a Hopper GPU the launches change; elsewhere the flags are dropped
+    at the launch)."""
+    import rooflm.kernels.handoff_gemv as hg
+    from kernel_checks import tiny_llama
+    from rooflm.attention.metadata_utils import allocate_kv_caches, build_attention_metadata
+    from rooflm.layers.custom_op import select_ops
+
+    layers = 3
+    model = tiny_llama(device, layers=layers, seed=6, heads=4, kv_heads=4)  # MHA: the fused decode attention
+    calls = []
+
+    def spy(name, fn):
+        def wrapped(*a, **k):
+            calls.append((name, k.get("silu_mul", False), k.get("pdl_trigger", False), k.get("pdl_wait", False)))
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setenv("ROOFLM_FUSED_GEMV", "on")
+    monkeypatch.setattr(hg, "_choices", {})
+    monkeypatch.setattr(hg, "gemv_add_sumsq", spy("add", hg.gemv_add_sumsq))
+    monkeypatch.setattr(hg, "rmsnorm_sumsq_gemv", spy("norm", hg.rmsnorm_sumsq_gemv))
+    logits = {}
+    for pdl in (False, True):
+        select_ops(model, "triton", device)
+        model.model.layers[0].self_attn.attn.backend.programmatic_launch = pdl  # one backend for every layer
+        caches = allocate_kv_caches(layers, 8, 4, 4, 16, torch.float16, device)
+        g = torch.Generator().manual_seed(1)
+        done, out = [0], []
+        for new in ([3], [1], [1]):  # a prefill, two decode steps
+            calls.clear()
+            meta, pos = build_attention_metadata([[0, 1]], done, new, 4, device)
+            ids = torch.randint(0, 96, (sum(new),), generator=g).to(device)
+            with torch.no_grad():
+                out.append(model.compute_logits(model(ids, pos, caches, meta)))
+            done = [done[0] + new[0]]
+        logits[pdl] = out
+        # the last decode step (the first also timed candidates on a GPU): per layer o_proj's add, gate_up's norm,
+        # then down_proj's add and the next layer's qkv norm (not after the last layer)
+        expect = []
+        for i in range(layers):
+            if i:
+                expect.append(("norm", False, pdl, False))  # qkv_proj: lets decode attention start early
+            expect += [("add", False, pdl, pdl), ("norm", True, False, pdl)]  # o_proj and gate_up_proj wait in place
+            if i < layers - 1:
+                expect.append(("add", False, False, False))  # down_proj as before
+        assert calls == expect
+    for a, b in zip(logits[False], logits[True]):
+        assert torch.equal(a, b)
+
+
+def test_decode_pdl_setting(monkeypatch):
+    """``ROOFLM_DECODE_PDL``: on by default, 0 turns it off, anything else is refused with the variable's name."""
+    from rooflm.attention.triton_backend import TritonAttention
+    from rooflm.kernels._tl import decode_pdl_enabled
+
+    monkeypatch.delenv("ROOFLM_DECODE_PDL", raising=False)
+    assert decode_pdl_enabled() and TritonAttention().programmatic_launch
+    monkeypatch.setenv("ROOFLM_DECODE_PDL", "0")
+    assert not decode_pdl_enabled() and not TritonAttention().programmatic_launch
+    monkeypatch.setenv("ROOFLM_DECODE_PDL", "yes")
+    with pytest.raises(ValueError, match="ROOFLM_DECODE_PDL must be 0 or 1; got 'yes'"):
+        TritonAttention()

@@ -65,9 +65,14 @@ class AttentionBackend(Protocol):
     2. ``attend``: attend each sequence's queries to its cached context, the new tokens included (causal, optionally
        a sliding window of the last ``sliding_window`` positions, the query's own included).
 
-    ``name`` ("torch", "triton" or "cpu") tells the engine whether a step can be captured in a CUDA graph."""
+    ``name`` ("torch", "triton" or "cpu") tells the engine whether a step can be captured in a CUDA graph.
+    ``programmatic_launch``: whether ``rotary_write_attend`` may launch its kernel with programmatic dependent launch
+    (Hopper GPUs), so the kernel before it (the qkv projection) may let it be scheduled early and the kernel after it
+    (o_proj) may be launched so and wait in place; such a kernel reads nothing the kernel before writes until it has
+    waited for it."""
 
     name: str
+    programmatic_launch: bool
 
     def rotary_and_write(
         self,

@@ -55,6 +55,7 @@ class CpuAttention:
     first layer and reused by the others: about a dozen small ops per layer that a CPU pays in dispatch time."""
 
     name = "cpu"
+    programmatic_launch = False
     rotary_write_attend = rotary_write_then_attend
 
     def __init__(self) -> None:

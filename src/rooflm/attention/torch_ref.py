@@ -84,6 +84,7 @@ class TorchRefAttention:
     metadata and checks the slots on the host, so a step through it cannot be captured in a CUDA graph."""
 
     name = "torch"
+    programmatic_launch = False
     rotary_write_attend = rotary_write_then_attend
 
     def rotary_and_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -14,6 +14,9 @@ Same contract as ``TorchRefAttention`` (see ``attention/backend.py``), which is 
      plan (MHA, small batches: where it was measured faster, ``fuses_new_token``), one kernel does both (decode
      attention rotates q and the new k itself, attends to the new k and v from registers and writes them into the
      cache: ``NewTokenKV``), bit-equal to the two calls; ``ROOFLM_DECODE_FUSED_ROPE=0`` keeps the two kernels.
+     On a Hopper GPU, at one sequence, that kernel is launched with programmatic dependent launch
+     (``programmatic_launch``; ``ROOFLM_DECODE_PDL=0`` turns it off): it is scheduled while the qkv projection before
+     it drains (at 4 sequences it measured no faster, so larger batches launch as before).
 GQA is handled inside the kernels; K/V are never repeated. A quantized cache (``QuantizedKVCache``) is quantized by
 the write kernel and dequantized in registers by both attention kernels.
 """
@@ -28,6 +31,7 @@ from rooflm.attention.dense_prefill import attend as dense_prefill
 from rooflm.attention.dense_prefill import usable as dense_prefill_usable
 from rooflm.attention.kv_quant import KVCache, QuantizedKVCache
 from rooflm.attention.tree_mask import packed_tree_masks
+from rooflm.kernels._tl import decode_pdl_enabled
 from rooflm.kernels._utils import device_sms
 from rooflm.kernels.decode_attention import NewTokenKV, paged_decode_attention
 from rooflm.kernels.decode_plan import fuses_new_token
@@ -42,6 +46,7 @@ class TritonAttention:
 
     def __init__(self) -> None:
         self.fuse_decode_rotary = os.environ.get("ROOFLM_DECODE_FUSED_ROPE", "1") != "0"
+        self.programmatic_launch = decode_pdl_enabled()
 
     def rotary_and_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +60,7 @@ class TritonAttention:
                 and not isinstance(kv_cache, QuantizedKVCache)
                 and fuses_new_token(q.shape[0], k.shape[1], q.shape[1] // k.shape[1], device_sms(q))):
             return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window,
-                                          out=torch.empty_like(q),
+                                          out=torch.empty_like(q), pdl=self.programmatic_launch and q.shape[0] == 1,
                                           new_kv=NewTokenKV(k, v, cos, sin, meta.slot_mapping))
         return rotary_write_then_attend(self, q, k, v, cos, sin, kv_cache, meta, scale, sliding_window)
 

@@ -1,9 +1,60 @@
 """Device helpers shared by the kernels."""
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from rooflm.kernels._utils import interpreting
+
+try:  # griddepcontrol (programmatic dependent launch); absent from older Triton releases
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAS_GDC = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAS_GDC = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch needs a Hopper-or-newer GPU and a Triton with griddepcontrol."""
+    if device.type != "cuda" or interpreting() or not HAS_GDC:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def decode_pdl_enabled() -> bool:
+    """``ROOFLM_DECODE_PDL`` (default 1): whether one-row decode launches decode attention with programmatic dependent
+    launch, its qkv projection letting it be scheduled early, o_proj and then gate_up_proj waiting in place (see
+    ``rooflm/kernels/decode_attention.py``); 0 turns it off."""
+    value = os.environ.get("ROOFLM_DECODE_PDL", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"ROOFLM_DECODE_PDL must be 0 or 1; got {value!r}")
+    return value == "1"
+
+
+def pdl_launch(trigger: bool, wait: bool, device: torch.device) -> tuple[bool, bool, dict]:
+    """(TRIGGER, WAIT, launch options) for a kernel that calls ``pdl_edges``: both False and no option where the
+    device cannot launch that way (CPU, the interpreter, GPUs before Hopper)."""
+    ok = pdl_supported(device)
+    return trigger and ok, wait and ok, {"launch_pdl": True} if wait and ok else {}
+
+
+@triton.jit
+def pdl_edges(TRIGGER: tl.constexpr, WAIT: tl.constexpr):
+    """At a program's start: TRIGGER lets a kernel launched next with programmatic dependent launch be scheduled now
+    (it waits for this grid before it reads what this grid writes); WAIT (the kernel was launched that way) waits
+    for the kernel before to finish, so nothing after it reads a value that kernel has not written yet."""
+    if TRIGGER:
+        gdc_launch_dependents()
+    if WAIT:
+        gdc_wait()
 
 
 @triton.jit

@@ -49,9 +49,15 @@
 # for MHA at batch 1 with the step's token fused on an H200 (a tie in isolation on an H100, where the decode step
 # still measured 0.5-0.9% shorter; ``default_plan``), but 5-6 us slower for GQA (the last program
 # combines GROUP heads one after another), so only the dot-free MHA plan uses it (None: the plan's choice;
-# ROOFLM_DECODE_FUSED_REDUCE=0 turns it off). pdl=True saved 1.0-1.1 us for GQA at batch 1 (1k and 4k tokens) on
-# an H100 in back-to-back CUDA-graph replays, but cost ~5 us with the default MHA plan (1024 one-warp programs;
-# cause not established), so it is off by default and left to the caller.
+# ROOFLM_DECODE_FUSED_REDUCE=0 turns it off). pdl=True is the caller's choice: the Triton attention backend sets it
+# for the one-kernel decode of one sequence (``programmatic_launch``), where the kernel before is the qkv projection,
+# which lets it be scheduled as soon as all of its own programs have started (``pdl_trigger`` of
+# ``rooflm.kernels.gemv.launch_gemv``), and o_proj after it is launched the same way and waits in place. On an H200
+# (tests/gpu/decode_pdl_chain.py: Llama-2-7B's 32 layers at one row and 1k tokens, qkv -> attention -> o -> gate_up
+# -> down in one CUDA graph) the chain took 3.712 ms with plain launches, 3.663 with attention launched so, 3.642
+# with qkv triggering it, 3.622 with o_proj waiting in place and 3.611 with gate_up_proj after o_proj the same way;
+# between gate_up_proj and down_proj it cost 0.23 ms (so the other boundaries launch as before). Loading the first
+# K/V tile before the wait was tried too: no faster in the chain, and a differently compiled loop (not bit-equal).
 from __future__ import annotations
 
 import os
@@ -61,27 +67,13 @@ import triton
 import triton.language as tl
 
 from rooflm.attention.kv_quant import QuantizedKVCache
-from rooflm.kernels._tl import dot, dot_upcast
-from rooflm.kernels._utils import check_last_dim_contiguous, device_sms, interpreting, next_pow2
+from rooflm.kernels._tl import dot, dot_upcast, gdc_launch_dependents, gdc_wait, pdl_supported
+from rooflm.kernels._utils import check_last_dim_contiguous, device_sms, next_pow2
 from rooflm.kernels.decode_plan import DecodePlan, NewTokenKV, check_new_kv, default_plan
 from rooflm.kernels.kv_cache import rope_rows, rope_tables
 
 __all__ = ["DecodePlan", "NewTokenKV", "default_plan", "paged_decode_attention", "paged_decode_attention_ref",
            "pdl_supported"]
-
-try:  # griddepcontrol (programmatic dependent launch); absent from older Triton releases
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    _HAS_GDC = True
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    _HAS_GDC = False
-
-    @triton.jit
-    def gdc_wait():
-        pass
-
-    @triton.jit
-    def gdc_launch_dependents():
-        pass
 
 _LOG2E = 1.4426950408889634
 
@@ -353,13 +345,6 @@ def _counter_buffer(device: torch.device, n: int) -> torch.Tensor | None:
             _retired_counters.append(buf)
         buf = _counters[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return buf
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch needs a Hopper-or-newer GPU and a Triton with griddepcontrol."""
-    if device.type != "cuda" or interpreting() or not _HAS_GDC:
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def paged_decode_attention(

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels._tl import add_sumsq_store, dot, dot_upcast, rstd_from_partials
+from rooflm.kernels._tl import add_sumsq_store, dot, dot_upcast, pdl_edges, pdl_launch, rstd_from_partials
 from rooflm.kernels._utils import interpreting
 
 
@@ -125,10 +125,11 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     PRO: tl.constexpr = 0, HAS_RES: tl.constexpr = False, WRITE_RES: tl.constexpr = False, EPI: tl.constexpr = 0,
-    SS_BLOCK: tl.constexpr = 1,
+    SS_BLOCK: tl.constexpr = 1, TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pdl_edges(TRIGGER, WAIT)  # programmatic dependent launch (decode attention after qkv_proj, o_proj after it)
     if EPI == 1:  # row j of the program: gate row (or, odd j, up row) of output column offs_o
         j = tl.arange(0, BLOCK_N)
         offs_o = pid_n * (BLOCK_N // 2) + j // 2
@@ -261,7 +262,9 @@ def _gemv_kernel(
 @triton.jit
 def _splitk_reduce_kernel(ws_ptr, b_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BLOCK: tl.constexpr, r_ptr=None, nw_ptr=None, ro_ptr=None, ss_ptr=None,
-                          ADD_SUMSQ: tl.constexpr = False):  # ADD_SUMSQ: M == 1, EPI 2 on the totals
+                          ADD_SUMSQ: tl.constexpr = False,  # ADD_SUMSQ: M == 1, EPI 2 on the totals
+                          TRIGGER: tl.constexpr = False):
+    pdl_edges(TRIGGER, False)
     m = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -329,12 +332,14 @@ def launch_gemv(
     x2: torch.Tensor, K: int, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
     prologue: int = PRO_NONE, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
     eps: float = 0.0, residual_out: torch.Tensor | None = None, up_offset: int = 0, epilogue: int = EPI_NONE,
-    sumsq: torch.Tensor | None = None,
+    sumsq: torch.Tensor | None = None, pdl_trigger: bool = False, pdl_wait: bool = False,
 ) -> torch.Tensor:
     """The launch behind ``gemv`` and the fused projections: x2 [M, *] row-major in its last dim, the product over
     its first K columns (after ``prologue``), then ``epilogue``. Callers check shapes. Returns out [M, N] (N: the
     weight's rows, half of them under ``EPI_SILU_MUL``). ``sumsq``: float32 partial sums of squares, written under
-    ``EPI_ADD_SUMSQ`` (one per program) and read under ``PRO_RMSNORM_SUMSQ``."""
+    ``EPI_ADD_SUMSQ`` (one per program) and read under ``PRO_RMSNORM_SUMSQ``. Programmatic dependent launch, where
+    the GPU has it (``rooflm.kernels._tl.pdl_launch``): ``pdl_trigger`` lets the kernel launched next start early
+    (from the last launch of this call), ``pdl_wait`` launches this call so and waits before it reads anything."""
     M = x2.shape[0]
     N = weight.shape[0]
     rows_per_program = cfg.block_n
@@ -360,6 +365,7 @@ def launch_gemv(
     nw = norm_weight if norm_weight is not None else weight
     ss = sumsq if sumsq is not None else nw
     n_ss = sumsq.numel() if sumsq is not None else 1
+    trigger, wait, pdl = pdl_launch(pdl_trigger, pdl_wait, x2.device)
     _gemv_kernel[(triton.cdiv(N, rows_per_program), split)](
         x2, weight, b, dst, M, N, K, k_per_split, x2.stride(0), weight.stride(0), dst.stride(-2), stride_s,
         r, nw, ro, r.stride(0), ro.stride(0), float(eps), up_offset, ss, n_ss,
@@ -367,12 +373,13 @@ def launch_gemv(
         EVEN_K=even_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_UPCAST=dot_upcast(x2.dtype),
         PRO=prologue, HAS_RES=residual is not None and epilogue != EPI_ADD_SUMSQ,
         WRITE_RES=residual_out is not None, EPI=epilogue, SS_BLOCK=triton.next_power_of_2(n_ss),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TRIGGER=trigger and split == 1, WAIT=wait, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(M, triton.cdiv(N, block))](dst, b, out, M, N, out.stride(0), SPLIT=split,
-                                                          HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+                                                          HAS_BIAS=bias is not None, BLOCK=block, TRIGGER=trigger,
+                                                          num_warps=4)
     return out
 
 

@@ -54,6 +54,8 @@ def gemv_add_sumsq(
     cfg: GemvConfig,
     residual: torch.Tensor,  # [1, N]
     norm_weight: torch.Tensor,  # [N]: the next norm's weight
+    pdl_wait: bool = False,
+    pdl_trigger: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, h, sumsq) in one launch: h = x @ weight.T + bias + residual, the new residual stream, rounded as the add
     + norm kernel rounds it; y = h * norm_weight rounded, the next projection's input before 1/rms; sumsq (float32,
@@ -68,7 +70,7 @@ def gemv_add_sumsq(
     sumsq = torch.empty(triton.cdiv(N, cfg.block_n), dtype=torch.float32, device=x.device)
     h = torch.empty_like(residual)
     y = launch_gemv(x, K, weight, bias, cfg, PRO_NONE, residual, norm_weight.contiguous(), residual_out=h,
-                    epilogue=EPI_ADD_SUMSQ, sumsq=sumsq)
+                    epilogue=EPI_ADD_SUMSQ, sumsq=sumsq, pdl_wait=pdl_wait, pdl_trigger=pdl_trigger)
     return y, h, sumsq
 
 
@@ -80,9 +82,12 @@ def rmsnorm_sumsq_gemv(
     bias: torch.Tensor | None,
     cfg: GemvConfig,
     silu_mul: bool = False,
+    pdl_trigger: bool = False,
+    pdl_wait: bool = False,
 ) -> torch.Tensor:
     """rms_norm(h) @ weight.T + bias = (y @ weight.T) / rms(h) + bias in one launch, rms(h) from ``sumsq``; with
-    ``silu_mul`` silu(gate) * up of that product (the epilogue of ``rooflm.kernels.fused_gemv.gemv_silu_mul``)."""
+    ``silu_mul`` silu(gate) * up of that product (the epilogue of ``rooflm.kernels.fused_gemv.gemv_silu_mul``).
+    ``pdl_trigger``, ``pdl_wait`` (here and in ``gemv_add_sumsq``): programmatic dependent launch (``launch_gemv``)."""
     K = y.shape[-1]
     _one_row("y", y, K)
     if sumsq.dim() != 1 or sumsq.dtype != torch.float32:
@@ -90,7 +95,8 @@ def rmsnorm_sumsq_gemv(
     check_weight(weight, K, y.shape)
     _row_config(cfg)
     return launch_gemv(y, K, weight, bias, cfg, PRO_RMSNORM_SUMSQ, eps=eps,
-                       epilogue=EPI_SILU_MUL if silu_mul else EPI_NONE, sumsq=sumsq)
+                       epilogue=EPI_SILU_MUL if silu_mul else EPI_NONE, sumsq=sumsq, pdl_trigger=pdl_trigger,
+                       pdl_wait=pdl_wait)
 
 
 def gemv_add_sumsq_ref(x, weight, bias, residual, norm_weight):
@@ -199,7 +205,8 @@ def _time_pairs(x, producer, producer_bias, consumer, consumer_bias, eps, silu_m
 # The same two halves for packed (quantized) weights, in the one-row word GEMV (rooflm/kernels/quant_gemv.py)
 # ---------------------------------------------------------------------------------------------------------------------
 def packed_add_sumsq(x: torch.Tensor, pw, bias: torch.Tensor | None, cfg, residual: torch.Tensor,
-                     norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     norm_weight: torch.Tensor, pdl_wait: bool = False, pdl_trigger: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``gemv_add_sumsq`` for a packed weight ``pw`` (a ``PackedWeight``) through the word GEMV with ``cfg``."""
     from rooflm.kernels.quant_gemv import launch_gemv as word_gemv
 
@@ -212,12 +219,14 @@ def packed_add_sumsq(x: torch.Tensor, pw, bias: torch.Tensor | None, cfg, residu
         x = x.index_select(1, pw.perm)
     sumsq = torch.empty(triton.cdiv(N, cfg.block_n), dtype=torch.float32, device=x.device)
     h = torch.empty_like(residual)
-    y = word_gemv(x, pw, bias, cfg, add_sumsq=(residual, norm_weight.contiguous(), h, sumsq))
+    y = word_gemv(x, pw, bias, cfg, add_sumsq=(residual, norm_weight.contiguous(), h, sumsq), pdl_wait=pdl_wait,
+                  pdl_trigger=pdl_trigger)
     return y, h, sumsq
 
 
 def packed_rmsnorm_sumsq_gemv(y: torch.Tensor, sumsq: torch.Tensor, eps: float, pw, bias: torch.Tensor | None, cfg,
-                              silu_mul: bool = False) -> torch.Tensor:
+                              silu_mul: bool = False, pdl_trigger: bool = False, pdl_wait: bool = False
+                              ) -> torch.Tensor:
     """``rmsnorm_sumsq_gemv`` for a packed weight through the word GEMV with ``cfg``."""
     from rooflm.kernels.quant_gemv import launch_gemv as word_gemv
 
@@ -226,7 +235,8 @@ def packed_rmsnorm_sumsq_gemv(y: torch.Tensor, sumsq: torch.Tensor, eps: float, 
         raise ValueError(f"sumsq must be a float32 vector; got {sumsq.dtype} {tuple(sumsq.shape)}")
     if pw.perm is not None:
         y = y.index_select(1, pw.perm)
-    return word_gemv(y, pw, bias, cfg, silu_mul=silu_mul, rstd_sumsq=sumsq, eps=eps)
+    return word_gemv(y, pw, bias, cfg, silu_mul=silu_mul, rstd_sumsq=sumsq, eps=eps, pdl_trigger=pdl_trigger,
+                     pdl_wait=pdl_wait)
 
 
 def pick_handoff_packed(x: torch.Tensor, producer, producer_bias: torch.Tensor | None, consumer,

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels._tl import add_sumsq_store, rstd_from_partials
+from rooflm.kernels._tl import add_sumsq_store, pdl_edges, pdl_launch, rstd_from_partials
 from rooflm.kernels._utils import device_sms, interpreting
 from rooflm.kernels.gemv import _silu_mul_pairs, _splitk_reduce_kernel
 from rooflm.kernels.quant_gemv_ptx import _halves, _w4_f16x2, _w8_f16x2
@@ -163,12 +163,14 @@ def _quant_gemv_kernel(
     GROUP_WORDS: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, PAIR: tl.constexpr,
     SILU_MUL: tl.constexpr, r_ptr=None, nw_ptr=None, ro_ptr=None, ss_ptr=None, n_ss=1, eps=0.0,
     ADD_SUMSQ: tl.constexpr = False, RSTD: tl.constexpr = False, SS_BLOCK: tl.constexpr = 1,
+    TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False,
 ):
     # A tile is [BLOCK_N rows, GROUPS groups, GROUP_WORDS words]: GROUPS > 1 only when a group is exactly
     # GROUP_WORDS words, so each (row, group) pair has one scale and min per tile. Whole tiles load unmasked; where
     # the tile does not divide K, the last one (from k_full on) is masked.
     PER: tl.constexpr = 32 // BITS  # codes per word
     TILE: tl.constexpr = GROUPS * GROUP_WORDS * PER  # columns of x per tile
+    pdl_edges(TRIGGER, WAIT)  # programmatic dependent launch (see rooflm.kernels.gemv.launch_gemv)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if SILU_MUL:  # W is [gate | up], N = 2 * intermediate: rows interleaved, gate j then up j (N // 2 + j)
@@ -436,13 +438,15 @@ def default_gemv_config(n: int, k: int, bits: int, group_size: int, sms: int) ->
 
 def launch_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
                 cfg: QuantGemvConfig | None = None, silu_mul: bool = False, add_sumsq: tuple | None = None,
-                rstd_sumsq: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+                rstd_sumsq: torch.Tensor | None = None, eps: float = 0.0, pdl_trigger: bool = False,
+                pdl_wait: bool = False) -> torch.Tensor:
     """out [1, N] = x [1, K] @ dequantize(pw).T (+ bias); x already gathered by ``pw.perm``, contiguous. With
     ``silu_mul`` (W is [gate | up]): silu(gate) * up [1, N / 2] in the roundings of the GEMV followed by
     ``rooflm.kernels.activation.silu_and_mul``, in one launch (K is not split then). The two halves of
     ``rooflm/kernels/handoff_gemv.py``: ``add_sumsq`` = (residual, norm_weight, h, sumsq) makes out h * norm_weight
     with h = out + residual written to h and sum(h^2) per ``cfg.block_n`` rows to sumsq; ``rstd_sumsq`` (partial
-    sums of squares of the row x was made from) scales the sums by 1/rms."""
+    sums of squares of the row x was made from) scales the sums by 1/rms. ``pdl_trigger``, ``pdl_wait``: as in
+    ``rooflm.kernels.gemv.launch_gemv``."""
     N, K = pw.out_features, pw.in_features
     if silu_mul and (N % 2 or cfg is None or cfg.block_n < 2):
         raise ValueError(f"silu_mul needs an even number of rows ([gate | up]; got {N}) and a configuration of at "
@@ -469,6 +473,7 @@ def launch_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
     r, nw, h, ss = add_sumsq if add_sumsq is not None else (None,) * 4
     ss = rstd_sumsq if rstd_sumsq is not None else ss
     hand = dict(r_ptr=r, nw_ptr=nw, ro_ptr=h, ss_ptr=ss, ADD_SUMSQ=add_sumsq is not None)
+    trigger, wait, pdl = pdl_launch(pdl_trigger, pdl_wait, x.device)
     _quant_gemv_kernel[(triton.cdiv(N, cfg.block_n), split)](
         x, xw, words, pw.scales, pw.mins if pw.mins is not None else pw.scales, b, dst,
         N, K, pw.group_size, k_per_split, words.stride(0), pw.scales.stride(0), N if split > 1 else 0,
@@ -477,11 +482,12 @@ def launch_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
         BLOCK_N=cfg.block_n, GROUPS=shape[0],
         GROUP_WORDS=shape[1], ASM=asm, PREFETCH=cfg.prefetch, PAIR=asm and cfg.pair and shape[1] >= 2,
         SILU_MUL=silu_mul, n_ss=ss.numel() if ss is not None else 1, eps=float(eps), RSTD=rstd_sumsq is not None,
-        SS_BLOCK=triton.next_power_of_2(ss.numel()) if ss is not None else 1, **hand,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SS_BLOCK=triton.next_power_of_2(ss.numel()) if ss is not None else 1, **hand, TRIGGER=trigger and split == 1,
+        WAIT=wait, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
     if split > 1:  # one reduce program per cfg.block_n rows under add_sumsq: one partial sum each, as unsplit
         block = cfg.block_n if add_sumsq is not None else 1024
         _splitk_reduce_kernel[(1, triton.cdiv(N, block))](dst, b, out, 1, N, out.stride(0), SPLIT=split,
-                                                       HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **hand)
+                                                       HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+                                                       TRIGGER=trigger, **hand)
     return out

@@ -144,10 +144,13 @@ class RMSNormLinear(CustomOp):
                 return rmsnorm_gemv(x, norm.weight, norm.eps, proj.weight, proj.bias, cfg, residual, one_pass)
         return self.forward_native(x, residual)  # the two modules, each on the path it chose
 
-    def from_handoff(self, hand: NormHandoff, silu_mul: bool = False) -> torch.Tensor:
+    def from_handoff(self, hand: NormHandoff, silu_mul: bool = False, pdl_trigger: bool = False,
+                     pdl_wait: bool = False) -> torch.Tensor:
         """proj(norm(hand.residual)) in one launch from ``hand.scaled``, the statistic from the partial sums the
         previous projection left (``rmsnorm_sumsq_gemv``); with ``silu_mul`` silu(gate) * up of it (``proj``: a [gate
-        | up] projection)."""
+        | up] projection). Programmatic dependent launch: with ``pdl_trigger`` the next kernel, launched that way, may
+        be scheduled as soon as this one has started everywhere; with ``pdl_wait`` this one is launched that way and
+        waits for the kernel before it in place."""
         from rooflm.kernels.handoff_gemv import rmsnorm_sumsq_gemv
 
         norm, proj = self._parts
@@ -155,8 +158,10 @@ class RMSNormLinear(CustomOp):
             from rooflm.kernels.handoff_gemv import packed_rmsnorm_sumsq_gemv
 
             return packed_rmsnorm_sumsq_gemv(hand.scaled, hand.sumsq, norm.eps, proj.packed_weight, proj.bias,
-                                             hand.config, silu_mul)
-        return rmsnorm_sumsq_gemv(hand.scaled, hand.sumsq, norm.eps, proj.weight, proj.bias, hand.config, silu_mul)
+                                             hand.config, silu_mul=silu_mul, pdl_trigger=pdl_trigger,
+                                             pdl_wait=pdl_wait)
+        return rmsnorm_sumsq_gemv(hand.scaled, hand.sumsq, norm.eps, proj.weight, proj.bias, hand.config,
+                                  silu_mul=silu_mul, pdl_trigger=pdl_trigger, pdl_wait=pdl_wait)
 
     def handoff_ready(self) -> bool:
         """Whether ``from_handoff`` can run this op: the Triton path with fusions allowed, a float or packed weight."""

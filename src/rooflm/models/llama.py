@@ -248,14 +248,18 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.tp:
             return self._forward_tp(hidden, residual, cos, sin, kv_cache, meta)
+        # Programmatic dependent launch around decode attention (the backend's choice): qkv_proj lets the attention
+        # kernel be scheduled while it drains, o_proj is launched while attention runs and waits in place, and so is
+        # gate_up_proj while o_proj runs (measured faster; between the other projections it was not).
+        pdl = self.self_attn.attn.backend.programmatic_launch
         if isinstance(hidden, NormHandoff):  # the previous layer's down_proj did the add (see _down)
-            qkv, residual = self.attn_norm_qkv.from_handoff(hidden), hidden.residual
+            qkv, residual = self.attn_norm_qkv.from_handoff(hidden, pdl_trigger=pdl), hidden.residual
         else:
             qkv, residual = self.attn_norm_qkv(hidden, residual)  # residual None (first layer): the embeddings
         attn = self.self_attn.attention_output(qkv, cos, sin, kv_cache, meta)
-        hand = self._handoff(attn, self.self_attn.o_proj, residual, self.mlp_norm_gate_up, True)
+        hand = self._handoff(attn, self.self_attn.o_proj, residual, self.mlp_norm_gate_up, True, pdl=pdl)
         if hand is not None:  # o_proj did the add; gate_up_proj the norm and the activation
-            return self._down(self.mlp_norm_gate_up.from_handoff(hand, silu_mul=True), hand.residual)
+            return self._down(self.mlp_norm_gate_up.from_handoff(hand, silu_mul=True, pdl_wait=pdl), hand.residual)
         hidden = self.self_attn.o_proj(attn)
         if self.mlp_norm_gate_up is not None:
             fused = self.mlp_norm_gate_up.norm_gemv_silu_mul(hidden, residual)  # one row: norm to activation
@@ -270,10 +274,11 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
     def _handoff(self, x: torch.Tensor, proj: Linear, residual: torch.Tensor | None, after: RMSNormLinear | None,
-                 silu_mul: bool) -> NormHandoff | None:
+                 silu_mul: bool, pdl: bool = False) -> NormHandoff | None:
         """proj(x) + residual as a ``NormHandoff`` for ``after`` (the norm and projection that follow), where one row
         runs on the Triton path with float (or two packed) weights and the handoff was measured faster
-        (``pick_handoff``, ``pick_handoff_packed``); None otherwise."""
+        (``pick_handoff``, ``pick_handoff_packed``); None otherwise. ``pdl``: proj's kernel is launched with
+        programmatic dependent launch, waits for the kernel before it in place and lets the next one start early."""
         if (after is None or residual is None or x.shape[0] != 1 or not self.handoff_allowed
                 or proj.fp8_tensor_cores or not after.handoff_ready() or residual.shape != (1, proj.out_features)):
             return None
@@ -288,12 +293,14 @@ class LlamaDecoderLayer(nn.Module):
                     if pw is not None and x.is_cuda else None)
             if pick is None:
                 return None
-            y, h, sumsq = hg.packed_add_sumsq(x, pw, proj.bias, pick[0], residual, norm.weight)
+            y, h, sumsq = hg.packed_add_sumsq(x, pw, proj.bias, pick[0], residual, norm.weight,
+                                              pdl_wait=pdl, pdl_trigger=pdl)
         else:
             pick = hg.pick_handoff(x, proj.weight, proj.bias, nxt.weight, nxt.bias, norm.eps, silu_mul)
             if pick is None:
                 return None
-            y, h, sumsq = hg.gemv_add_sumsq(x, proj.weight, proj.bias, pick[0], residual, norm.weight)
+            y, h, sumsq = hg.gemv_add_sumsq(x, proj.weight, proj.bias, pick[0], residual, norm.weight,
+                                            pdl_wait=pdl, pdl_trigger=pdl)
         return NormHandoff(h, y, sumsq, pick[1])
 
     def _down(self, act: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor | NormHandoff, torch.Tensor]:
