@@ -41,9 +41,11 @@ def decode_pdl_enabled() -> bool:
 
 def pdl_launch(trigger: bool, wait: bool, device: torch.device) -> tuple[bool, bool, dict]:
     """(TRIGGER, WAIT, launch options) for a kernel that calls ``pdl_edges``: both False and no option where the
-    device cannot launch that way (CPU, the interpreter, GPUs before Hopper)."""
-    ok = pdl_supported(device)
-    return trigger and ok, wait and ok, {"launch_pdl": True} if wait and ok else {}
+    device cannot launch that way (CPU, the interpreter, GPUs before Hopper). Called on every GEMV launch, so the
+    device is only asked when a flag is set."""
+    if not (trigger or wait) or not pdl_supported(device):
+        return False, False, {}
+    return trigger, wait, {"launch_pdl": True} if wait else {}
 
 
 @triton.jit
