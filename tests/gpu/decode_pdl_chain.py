@@ -5,7 +5,9 @@ weights): qkv GEMV -> decode attention (the step's token rotated and written by 
 -> down GEMV, each GEMV reading the previous output, captures the chain in one CUDA graph and times its replays
 (three rounds, variants alternated). A boundary "with PDL" launches the second kernel with programmatic dependent
 launch (it waits in place for the first, ``griddepcontrol.wait``) and lets the first trigger it as soon as all of its
-programs have started. Every variant's outputs are checked bit for bit against the plain launches first.
+programs have started. "o_proj preloading" launches o_proj so that it loads its first weight tile before it waits
+(``launch_gemv(pdl_preload=True)``), with the wider tile of ``preload_config``. Every variant's outputs are checked bit
+for bit against the plain launches of the same tiles first.
 
     PYTHONPATH=src python3 tests/gpu/decode_pdl_chain.py
 """
@@ -16,6 +18,7 @@ import torch
 from rooflm.kernels import gemv as G
 from rooflm.kernels.bench import decode_step_inputs, graph_ms
 from rooflm.kernels.decode_attention import NewTokenKV, paged_decode_attention
+from rooflm.kernels.handoff_gemv import preload_config
 
 BOUNDARIES = ("qkv->attention", "attention->o", "o->gate_up", "gate_up->down", "down->qkv")
 VARIANTS = {
@@ -27,6 +30,9 @@ VARIANTS = {
     "+ gate_up->down": ("qkv->attention", "attention->o", "o->gate_up", "gate_up->down"),
     "+ down->qkv": ("qkv->attention", "attention->o", "o->gate_up", "down->qkv"),
     "every boundary": BOUNDARIES,
+    "o_proj's wide tile, the engine's launches": ("qkv->attention", "attention->o", "o->gate_up", "wide"),
+    "o_proj preloading its wide tile (the engine's choice)": ("qkv->attention", "attention->o", "o->gate_up", "wide",
+                                                              "preload"),
 }
 
 
@@ -43,10 +49,12 @@ def main() -> None:
     for k, w in layers[0].items():  # the tuned tile of each shape (a GEMV tile where torch's would win)
         c = G.choose(torch.randn(1, w.shape[1], dtype=dt, device=dev), w, None)
         cfgs[k] = c if isinstance(c, G.GemvConfig) else G.CANDIDATES[0]
-    print("tiles:", {k: G._short(c) for k, c in cfgs.items()})
+    print("tiles:", {k: G._short(c) for k, c in cfgs.items()},
+          "o_proj's wide tile:", G._short(preload_config(cfgs["o"], H)))
 
     def chain(on: tuple[str, ...]):
         b = {n: n in on for n in BOUNDARIES}
+        o_cfg = preload_config(cfgs["o"], H) if "wide" in on else cfgs["o"]
         attn_pdl = b["qkv->attention"] or "attention-only" in on
 
         def run():
@@ -57,8 +65,8 @@ def main() -> None:
                 q, k, v = (t.view(1, 32, 128) for t in qkv.split([H, H, H], dim=-1))
                 a = paged_decode_attention(q, cache, tables, seq_lens, 128 ** -0.5, out=torch.empty_like(q),
                                            pdl=attn_pdl, new_kv=NewTokenKV(k, v, new.cos, new.sin, new.slot_mapping))
-                o = G.launch_gemv(a.view(1, H), H, w["o"], None, cfgs["o"], pdl_wait=b["attention->o"],
-                                  pdl_trigger=b["o->gate_up"])
+                o = G.launch_gemv(a.view(1, H), H, w["o"], None, o_cfg, pdl_wait=b["attention->o"],
+                                  pdl_trigger=b["o->gate_up"], pdl_preload="preload" in on)
                 gu = G.launch_gemv(o, H, w["gate_up"], None, cfgs["gate_up"], pdl_wait=b["o->gate_up"],
                                    pdl_trigger=b["gate_up->down"])
                 x = G.launch_gemv(gu[:, :I], I, w["down"], None, cfgs["down"], pdl_wait=b["gate_up->down"],
@@ -67,8 +75,9 @@ def main() -> None:
             return [x] + outs
         return run
 
-    ref = [t.clone() for t in chain(())()]
+    refs = {tile: [t.clone() for t in chain(tile)()] for tile in ((), ("wide",))}
     for name, on in VARIANTS.items():
+        ref = refs[("wide",) if "wide" in on else ()]
         same = all(torch.equal(a, b) for a, b in zip(chain(on)(), ref))
         assert same, f"{name}: outputs differ from the plain launches"
     times = {name: [] for name in VARIANTS}

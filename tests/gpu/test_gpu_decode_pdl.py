@@ -1,6 +1,6 @@
 """Programmatic dependent launch around decode attention (Hopper GPUs): the qkv projection lets the attention kernel
 be scheduled while it drains, o_proj is launched while attention runs and waits in place, and so is gate_up_proj
-while o_proj runs. Lossless by construction
+while o_proj runs (o_proj loading its first weight tile before it waits). Lossless by construction
 (every kernel waits for the one before it before it reads what that one writes); checked here bit for bit against
 the same launches without it, eagerly and replayed from a CUDA graph, with float16 and packed 4- and 8-bit weights."""
 import pytest
@@ -41,6 +41,8 @@ def _layer(packed: int):
     else:
         w = {k: torch.randn(n, kk, generator=g, **f16) * kk ** -0.5 for k, (n, kk) in shapes.items()}
         cfg = {k: GemvConfig(False, 16, 256) for k in shapes}
+        cfg["o"] = hg.preload_config(GemvConfig(False, 4, 1024, 1, 4, 2), H)  # the engine's tile after attention
+        assert cfg["o"].block_k == hg.PRELOAD_BLOCK_K
 
     def run(pdl: bool):
         if packed:
@@ -57,7 +59,7 @@ def _layer(packed: int):
                                               pdl_wait=pdl)
         else:
             yo, h, ss = hg.gemv_add_sumsq(a.view(1, H), w["o"], None, cfg["o"], res, nw, pdl_wait=pdl,
-                                          pdl_trigger=pdl)
+                                          pdl_trigger=pdl, pdl_preload=pdl)  # its first tile loaded before the wait
             gu = hg.rmsnorm_sumsq_gemv(yo, ss, 1e-5, w["gate_up"], None, cfg["gate_up"], silu_mul=True,
                                        pdl_wait=pdl)
         return [qkv, a, yo, h, ss, gu, caches[0]]

@@ -278,7 +278,8 @@ def test_decode_launches_around_attention_with_programmatic_dependent_launch(dev
 
     def spy(name, fn):
         def wrapped(*a, **k):
-            calls.append((name, k.get("silu_mul", False), k.get("pdl_trigger", False), k.get("pdl_wait", False)))
+            calls.append((name, k.get("silu_mul", False), k.get("pdl_trigger", False), k.get("pdl_wait", False))
+                         + ((k.get("pdl_preload", False),) if name == "add" else ()))
             return fn(*a, **k)
         return wrapped
 
@@ -307,12 +308,29 @@ def test_decode_launches_around_attention_with_programmatic_dependent_launch(dev
         for i in range(layers):
             if i:
                 expect.append(("norm", False, pdl, False))  # qkv_proj: lets decode attention start early
-            expect += [("add", False, pdl, pdl), ("norm", True, False, pdl)]  # o_proj and gate_up_proj wait in place
+            # o_proj (loading its first weight tile before it waits) and gate_up_proj wait in place
+            expect += [("add", False, pdl, pdl, pdl), ("norm", True, False, pdl)]
             if i < layers - 1:
-                expect.append(("add", False, False, False))  # down_proj as before
+                expect.append(("add", False, False, False, False))  # down_proj as before
         assert calls == expect
     for a, b in zip(logits[False], logits[True]):
         assert torch.equal(a, b)
+
+
+def test_preload_config_widens_narrow_row_tiles_within_the_budget():
+    """After decode attention o_proj loads its first tile before it waits: a tile PRELOAD_BLOCK_K wide where that
+    divides K, is wider than the pick and keeps at most 8192 products a program; the pick otherwise."""
+    from rooflm.kernels.gemv import GemvConfig
+    from rooflm.kernels.handoff_gemv import PRELOAD_BLOCK_K, preload_config
+
+    assert PRELOAD_BLOCK_K == 2048
+    assert preload_config(GemvConfig(False, 4, 1024, 1, 4, 2), 4096) == GemvConfig(False, 4, 2048, 1, 4, 2)
+    assert preload_config(GemvConfig(False, 2, 512, 1, 8, 3), 6144) == GemvConfig(False, 2, 2048, 1, 8, 3)
+    for cfg, k in [(GemvConfig(False, 4, 1024), 5120),  # 2048 does not divide K
+                   (GemvConfig(False, 8, 512), 4096),  # 8 x 2048 products: over the budget
+                   (GemvConfig(False, 2, 4096), 8192),  # already as wide
+                   (GemvConfig(True, 4, 128), 4096), (GemvConfig(False, 4, 1024, 2), 4096)]:  # tl.dot, split-K
+        assert preload_config(cfg, k) is cfg
 
 
 def test_decode_pdl_setting(monkeypatch):

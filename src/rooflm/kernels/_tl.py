@@ -74,23 +74,37 @@ def dot_upcast(dtype: torch.dtype) -> bool:
     return interpreting() and dtype == torch.bfloat16
 
 
-# The residual add and RMSNorm statistic handed from one projection to the next (rooflm/kernels/handoff_gemv.py)
+# The residual add and RMSNorm statistic handed from one projection to the next (rooflm/kernels/handoff_gemv.py).
+# The loads that do not depend on a program's products (the previous kernel's partial sums, the residual rows and
+# the norm weight) are issued before the main loop and used after it: a load stalls only at its first use, so the
+# L2 round trip overlaps the weight stream instead of lengthening the last programs of the grid.
 @triton.jit
-def rstd_from_partials(ss_ptr, n_ss, K, eps, SS_BLOCK: tl.constexpr):
-    """1 / rms of a row of K from the partial sums of its squares that ``add_sumsq_store`` left."""
+def sumsq_partials(ss_ptr, n_ss, SS_BLOCK: tl.constexpr):
+    """The partial sums of squares that ``add_sumsq_store`` left (SS_BLOCK >= n_ss of them, the rest 0)."""
     offs = tl.arange(0, SS_BLOCK)
-    return tl.rsqrt(tl.sum(tl.load(ss_ptr + offs, mask=offs < n_ss, other=0.0), 0) / K + eps)
+    return tl.load(ss_ptr + offs, mask=offs < n_ss, other=0.0)
 
 
 @triton.jit
-def add_sumsq_store(out_ptr, acc, offs_n, mask_n, pid, r_ptr, nw_ptr, ro_ptr, ss_ptr):
-    """EPI 2: h = sums rounded + residual, rounded (the add + norm kernel's residual stream) stored at ro_ptr;
-    h * norm_weight rounded (the next GEMV's input before 1/rms) at out_ptr; sum(h^2) of these rows at ss_ptr[pid]."""
+def rstd_of_partials(parts, K, eps):
+    """1 / rms of a row of K from ``sumsq_partials``."""
+    return tl.rsqrt(tl.sum(parts, 0) / K + eps)
+
+
+@triton.jit
+def add_sumsq_inputs(r_ptr, nw_ptr, offs_n, mask_n):
+    """The residual rows and norm weight that ``add_sumsq_store`` combines with the sums."""
+    return tl.load(r_ptr + offs_n, mask=mask_n, other=0.0), tl.load(nw_ptr + offs_n, mask=mask_n, other=0.0)
+
+
+@triton.jit
+def add_sumsq_store(out_ptr, acc, offs_n, mask_n, pid, r, nw, ro_ptr, ss_ptr):
+    """EPI 2: h = sums rounded + residual r, rounded (the add + norm kernel's residual stream) stored at ro_ptr;
+    h * norm_weight rounded (the next GEMV's input before 1/rms) at out_ptr; sum(h^2) of these rows at ss_ptr[pid].
+    r and nw from ``add_sumsq_inputs``."""
     dt = out_ptr.dtype.element_ty
-    r = tl.load(r_ptr + offs_n, mask=mask_n, other=0.0)
     h = (acc.to(dt).to(tl.float32) + r.to(tl.float32)).to(dt)
     tl.store(ro_ptr + offs_n, h, mask=mask_n)
     hf = tl.where(mask_n, h.to(tl.float32), 0.0)
-    nw = tl.load(nw_ptr + offs_n, mask=mask_n, other=0.0)
     tl.store(out_ptr + offs_n, (hf * nw.to(tl.float32)).to(dt), mask=mask_n)
     tl.store(ss_ptr + pid, tl.sum(hf * hf, 0))

@@ -26,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels._tl import add_sumsq_store, dot, dot_upcast, pdl_edges, pdl_launch, rstd_from_partials
-from rooflm.kernels._utils import interpreting
+from rooflm.kernels._tl import (add_sumsq_inputs, add_sumsq_store, dot, dot_upcast, gdc_wait, pdl_edges,
+                                pdl_launch, rstd_of_partials, sumsq_partials)
+from rooflm.kernels._utils import interpreting, time_in_graph, weight_copies  # noqa: F401 (part of this API)
 
 
 # What a GEMV program computes from its input rows before the product (a "prologue"), so that the elementwise op
@@ -100,12 +101,12 @@ def _silu_mul_pairs(g, u, out_ptr):
 
 
 @triton.jit
-def _store_row(out_ptr, acc, offs_n, mask_n, pid_n, N, r_ptr, nw_ptr, ro_ptr, ss_ptr, BLOCK_N: tl.constexpr,
+def _store_row(out_ptr, acc, offs_n, mask_n, pid_n, N, epi_in, ro_ptr, ss_ptr, BLOCK_N: tl.constexpr,
                EPI: tl.constexpr):
     """One row's BLOCK_N sums: stored as they are, (EPI 1) as silu(gate) * up of their interleaved pairs, or (EPI 2)
-    through ``add_sumsq_store``."""
+    through ``add_sumsq_store`` with epi_in = ``add_sumsq_inputs`` (loaded before the main loop)."""
     if EPI == 2:
-        add_sumsq_store(out_ptr, acc, offs_n, mask_n, pid_n, r_ptr, nw_ptr, ro_ptr, ss_ptr)
+        add_sumsq_store(out_ptr, acc, offs_n, mask_n, pid_n, epi_in[0], epi_in[1], ro_ptr, ss_ptr)
     elif EPI == 1:
         g, u = tl.split(tl.reshape(acc, [BLOCK_N // 2, 2]))
         oc = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -126,6 +127,7 @@ def _gemv_kernel(
     DOT_UPCAST: tl.constexpr,
     PRO: tl.constexpr = 0, HAS_RES: tl.constexpr = False, WRITE_RES: tl.constexpr = False, EPI: tl.constexpr = 0,
     SS_BLOCK: tl.constexpr = 1, TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False,
+    PRELOAD: tl.constexpr = False,  # launched to wait, like WAIT, after loading its first weight tile
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -144,6 +146,15 @@ def _gemv_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     offs_m = tl.arange(0, 16)
     mask_m = offs_m < M
+    if PRELOAD:  # M == 1, one K split, whole tiles: the weight does not depend on the kernel waited for
+        w_first = tl.load(w_rows + offs_kb[None, :])
+        gdc_wait()
+    epi_in = (r_ptr, nw_ptr)
+    if EPI == 2:  # loaded now, used after the main loop (see rooflm/kernels/_tl.py)
+        epi_in = add_sumsq_inputs(r_ptr, nw_ptr, offs_n, mask_n)
+    ss_parts = 0.0
+    if PRO == 4:
+        ss_parts = sumsq_partials(ss_ptr, n_ss, SS_BLOCK)
 
     rstd = 1.0
     if PRO == 1:
@@ -231,10 +242,14 @@ def _gemv_kernel(
         acc = tl.sum(acc2, 1) * tl.rsqrt(tl.sum(ss, 0) / K + eps)
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        _store_row(out_ptr, acc, offs_n, mask_n, pid_n, N, r_ptr, nw_ptr, ro_ptr, ss_ptr, BLOCK_N, EPI)
+        _store_row(out_ptr, acc, offs_n, mask_n, pid_n, N, epi_in, ro_ptr, ss_ptr, BLOCK_N, EPI)
     else:  # M == 1
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_start = k_lo
+        if PRELOAD:  # the first iteration's product, in its order
+            acc2 += w_first.to(tl.float32) * tl.load(x_ptr + offs_kb).to(tl.float32)[None, :]
+            k_start = k_lo + BLOCK_K
+        for k0 in range(k_start, k_hi, BLOCK_K):
             k0 = tl.multiple_of(k0, 16)  # k_per_split is a multiple of BLOCK_K: 16-byte vector loads
             offs_k = k0 + offs_kb
             mask_k = offs_k < k_hi
@@ -252,11 +267,10 @@ def _gemv_kernel(
             acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
         acc = tl.sum(acc2, 1)
         if PRO == 4:
-            acc = acc * rstd_from_partials(ss_ptr, n_ss, K, eps, SS_BLOCK)
+            acc = acc * rstd_of_partials(ss_parts, K, eps)
         if HAS_BIAS and SPLIT == 1:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        _store_row(out_ptr + pid_k * stride_os, acc, offs_n, mask_n, pid_n, N, r_ptr, nw_ptr, ro_ptr, ss_ptr, BLOCK_N,
-                   EPI)
+        _store_row(out_ptr + pid_k * stride_os, acc, offs_n, mask_n, pid_n, N, epi_in, ro_ptr, ss_ptr, BLOCK_N, EPI)
 
 
 @triton.jit
@@ -274,7 +288,8 @@ def _splitk_reduce_kernel(ws_ptr, b_ptr, out_ptr, M, N, stride_om, SPLIT: tl.con
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if ADD_SUMSQ:
-        add_sumsq_store(out_ptr, acc, offs, mask, tl.program_id(1), r_ptr, nw_ptr, ro_ptr, ss_ptr)
+        r, nw = add_sumsq_inputs(r_ptr, nw_ptr, offs, mask)
+        add_sumsq_store(out_ptr, acc, offs, mask, tl.program_id(1), r, nw, ro_ptr, ss_ptr)
     else:
         tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -332,14 +347,16 @@ def launch_gemv(
     x2: torch.Tensor, K: int, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
     prologue: int = PRO_NONE, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
     eps: float = 0.0, residual_out: torch.Tensor | None = None, up_offset: int = 0, epilogue: int = EPI_NONE,
-    sumsq: torch.Tensor | None = None, pdl_trigger: bool = False, pdl_wait: bool = False,
+    sumsq: torch.Tensor | None = None, pdl_trigger: bool = False, pdl_wait: bool = False, pdl_preload: bool = False,
 ) -> torch.Tensor:
     """The launch behind ``gemv`` and the fused projections: x2 [M, *] row-major in its last dim, the product over
     its first K columns (after ``prologue``), then ``epilogue``. Callers check shapes. Returns out [M, N] (N: the
     weight's rows, half of them under ``EPI_SILU_MUL``). ``sumsq``: float32 partial sums of squares, written under
     ``EPI_ADD_SUMSQ`` (one per program) and read under ``PRO_RMSNORM_SUMSQ``. Programmatic dependent launch, where
     the GPU has it (``rooflm.kernels._tl.pdl_launch``): ``pdl_trigger`` lets the kernel launched next start early
-    (from the last launch of this call), ``pdl_wait`` launches this call so and waits before it reads anything."""
+    (from the last launch of this call), ``pdl_wait`` launches this call so and waits before it reads anything;
+    ``pdl_preload`` (with ``pdl_wait``) loads each program's first weight tile before the wait, where the tile is
+    one row-tile GEMV of whole tiles without a prologue (``rooflm.kernels.handoff_gemv.preload_config``)."""
     M = x2.shape[0]
     N = weight.shape[0]
     rows_per_program = cfg.block_n
@@ -366,6 +383,8 @@ def launch_gemv(
     ss = sumsq if sumsq is not None else nw
     n_ss = sumsq.numel() if sumsq is not None else 1
     trigger, wait, pdl = pdl_launch(pdl_trigger, pdl_wait, x2.device)
+    preload = (wait and pdl_preload and M == 1 and not cfg.use_dot and split == 1 and even_k and prologue == PRO_NONE
+               and epilogue != EPI_SILU_MUL and N % rows_per_program == 0)
     _gemv_kernel[(triton.cdiv(N, rows_per_program), split)](
         x2, weight, b, dst, M, N, K, k_per_split, x2.stride(0), weight.stride(0), dst.stride(-2), stride_s,
         r, nw, ro, r.stride(0), ro.stride(0), float(eps), up_offset, ss, n_ss,
@@ -373,7 +392,8 @@ def launch_gemv(
         EVEN_K=even_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_UPCAST=dot_upcast(x2.dtype),
         PRO=prologue, HAS_RES=residual is not None and epilogue != EPI_ADD_SUMSQ,
         WRITE_RES=residual_out is not None, EPI=epilogue, SS_BLOCK=triton.next_power_of_2(n_ss),
-        TRIGGER=trigger and split == 1, WAIT=wait, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        TRIGGER=trigger and split == 1, WAIT=wait and not preload, PRELOAD=preload, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl,
     )
     if split > 1:
         block = 1024
@@ -400,43 +420,6 @@ def _m_bucket(m: int) -> int:
     while b < m:
         b *= 2
     return b
-
-
-def time_in_graph(call, weights: list[torch.Tensor], device: torch.device, reps: int = 3) -> float:
-    """Median milliseconds of one ``call(w)``, replayed from a CUDA graph that cycles through ``weights`` (copies of
-    one matrix, together several times the L2): each call streams its weight from device memory, as in a real
-    decode step where the other layers' weights evict it, and no launch overhead is counted."""
-    for w in weights:
-        call(w)  # compile / autotune outside the capture
-    torch.cuda.synchronize(device)
-    rounds = max(1, 24 // len(weights))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(rounds):
-            for w in weights:
-                call(w)
-    graph.replay()
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / (rounds * len(weights)))
-    del graph
-    times.sort()
-    return times[len(times) // 2]
-
-
-def weight_copies(weight: torch.Tensor, min_bytes: int | None = None) -> list[torch.Tensor]:
-    """``weight`` plus copies enough to hold together about three L2s (at least two matrices, at most eight)."""
-    if min_bytes is None:
-        props = torch.cuda.get_device_properties(weight.device)
-        min_bytes = 3 * int(getattr(props, "L2_cache_size", 64 * 2**20) or 64 * 2**20)
-    n = max(2, min(8, -(-min_bytes // (weight.numel() * weight.element_size()))))
-    return [weight] + [weight.clone() for _ in range(n - 1)]
 
 
 def choose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | str:

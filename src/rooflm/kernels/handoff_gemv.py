@@ -56,10 +56,12 @@ def gemv_add_sumsq(
     norm_weight: torch.Tensor,  # [N]: the next norm's weight
     pdl_wait: bool = False,
     pdl_trigger: bool = False,
+    pdl_preload: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, h, sumsq) in one launch: h = x @ weight.T + bias + residual, the new residual stream, rounded as the add
     + norm kernel rounds it; y = h * norm_weight rounded, the next projection's input before 1/rms; sumsq (float32,
-    one entry per program) partial sums of h^2, which complete the norm's statistic in ``rmsnorm_sumsq_gemv``."""
+    one entry per program) partial sums of h^2, which complete the norm's statistic in ``rmsnorm_sumsq_gemv``.
+    ``pdl_preload``: see ``preload_config``."""
     K, N = x.shape[-1], weight.shape[0]
     _one_row("x", x, K)
     check_weight(weight, K, x.shape)
@@ -70,8 +72,31 @@ def gemv_add_sumsq(
     sumsq = torch.empty(triton.cdiv(N, cfg.block_n), dtype=torch.float32, device=x.device)
     h = torch.empty_like(residual)
     y = launch_gemv(x, K, weight, bias, cfg, PRO_NONE, residual, norm_weight.contiguous(), residual_out=h,
-                    epilogue=EPI_ADD_SUMSQ, sumsq=sumsq, pdl_wait=pdl_wait, pdl_trigger=pdl_trigger)
+                    epilogue=EPI_ADD_SUMSQ, sumsq=sumsq, pdl_wait=pdl_wait, pdl_trigger=pdl_trigger,
+                    pdl_preload=pdl_preload)
     return y, h, sumsq
+
+
+# o_proj after decode attention, launched to wait for it in place (programmatic dependent launch): its programs are
+# resident while attention runs, and attention at one row is a chain of memory round trips that leaves most of the
+# bandwidth idle, so each program loads its first weight tile before it waits (the weights do not depend on
+# attention). On an H200 (tests/gpu/decode_pdl_chain.py: Llama-2-7B's 32 layers at one row and 1k tokens, qkv ->
+# attention -> o -> gate_up -> down in one CUDA graph) the chain took 3.574 ms with o_proj's picked 4 x 1024 tile,
+# 3.570 with a 4 x 2048 tile and 3.525 with that tile loaded before the wait (half of each row). In a probe of the
+# same chain, loading one or two 4 x 1024 tiles so was slower than loading none (3.604 and 3.578 against 3.560 ms):
+# a narrow tile covers too little of the row and holds registers through the loop. So the preloading launch takes a
+# tile PRELOAD_BLOCK_K wide where the picked tile is narrower, within the register budget of the picked rows (at most
+# 8192 products a program).
+PRELOAD_BLOCK_K = 2048
+
+
+def preload_config(cfg: GemvConfig, K: int) -> GemvConfig:
+    """The tile for ``gemv_add_sumsq(..., pdl_wait=True, pdl_preload=True)`` after decode attention: cfg with
+    PRELOAD_BLOCK_K columns where that tile divides K, is wider than cfg's and fits the budget; cfg otherwise."""
+    if (cfg.use_dot or cfg.split_k != 1 or cfg.block_k >= PRELOAD_BLOCK_K or K % PRELOAD_BLOCK_K
+            or cfg.block_n * PRELOAD_BLOCK_K > 8192):
+        return cfg
+    return GemvConfig(False, cfg.block_n, PRELOAD_BLOCK_K, 1, cfg.num_warps, cfg.num_stages)
 
 
 def rmsnorm_sumsq_gemv(

@@ -41,7 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels._tl import add_sumsq_store, pdl_edges, pdl_launch, rstd_from_partials
+from rooflm.kernels._tl import (add_sumsq_inputs, add_sumsq_store, pdl_edges, pdl_launch, rstd_of_partials,
+                                sumsq_partials)
 from rooflm.kernels._utils import device_sms, interpreting
 from rooflm.kernels.gemv import _silu_mul_pairs, _splitk_reduce_kernel
 from rooflm.kernels.quant_gemv_ptx import _halves, _w4_f16x2, _w8_f16x2
@@ -188,6 +189,12 @@ def _quant_gemv_kernel(
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     k_full = k_lo + (k_hi - k_lo) // TILE * TILE
+    epi_in = (r_ptr, nw_ptr)
+    if ADD_SUMSQ and SPLIT == 1:  # loaded now, used after the main loop (see rooflm/kernels/_tl.py)
+        epi_in = add_sumsq_inputs(r_ptr, nw_ptr, offs_n, mask_n)
+    ss_parts = 0.0
+    if RSTD:
+        ss_parts = sumsq_partials(ss_ptr, n_ss, SS_BLOCK)
     if PREFETCH:  # the next tile's words are loaded before this tile's products: two tiles in flight
         u = _words(rows, mask_n, wtile, k_lo, k_hi, PER, EVEN_N, True)  # masked: K may hold no whole tile
         last = tl.maximum(k_full - TILE, k_lo)
@@ -208,7 +215,7 @@ def _quant_gemv_kernel(
                         stride_sn, BITS, HAS_MIN, EVEN_N, True, ASM, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
     res = tl.sum(tl.sum(acc, 2), 1)
     if RSTD:  # the consumer of rooflm/kernels/handoff_gemv.py: x is h * norm_weight, the sums times 1/rms(h)
-        res = res * rstd_from_partials(ss_ptr, n_ss, K, eps, SS_BLOCK)
+        res = res * rstd_of_partials(ss_parts, K, eps)
     if HAS_BIAS and SPLIT == 1:
         res += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if SILU_MUL:  # one K split: silu(gate) * up, rounded as the GEMV and then the activation kernel round it
@@ -216,7 +223,7 @@ def _quant_gemv_kernel(
         oc = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(out_ptr + oc, _silu_mul_pairs(g, up, out_ptr), mask=oc < N // 2)
     elif ADD_SUMSQ and SPLIT == 1:  # the producer of rooflm/kernels/handoff_gemv.py
-        add_sumsq_store(out_ptr, res, offs_n, mask_n, pid_n, r_ptr, nw_ptr, ro_ptr, ss_ptr)
+        add_sumsq_store(out_ptr, res, offs_n, mask_n, pid_n, epi_in[0], epi_in[1], ro_ptr, ss_ptr)
     else:
         tl.store(out_ptr + pid_k * stride_os + offs_n, res.to(out_ptr.dtype.element_ty), mask=mask_n)
 
