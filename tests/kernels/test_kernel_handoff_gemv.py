@@ -333,6 +333,34 @@ def test_preload_config_widens_narrow_row_tiles_within_the_budget():
         assert preload_config(cfg, k) is cfg
 
 
+def test_producer_takes_the_preload_tile_only_where_it_preloads(device, monkeypatch):
+    """gemv_add_sumsq widens the tile (``preload_config``) only for a preloading launch that the GPU can make: with
+    programmatic dependent launch unavailable, or without the preload, the picked tile runs. The wide tile's results
+    are those of the same tile launched plainly."""
+    import rooflm.kernels.handoff_gemv as hg
+    from rooflm.kernels.gemv import GemvConfig
+
+    g = torch.Generator().manual_seed(3)
+    x, res = (torch.randn(1, n, generator=g).half().to(device) for n in (2048, 8))
+    w = (torch.randn(8, 2048, generator=g) / 45).half().to(device)
+    nw = torch.randn(8, generator=g).half().to(device)
+    narrow, wide = GemvConfig(False, 4, 1024, 1, 4, 2), GemvConfig(False, 4, 2048, 1, 4, 2)
+    tiles = []
+
+    def spy(*a, **k):
+        tiles.append(a[4])
+        return launch(*a, **k)
+    launch = hg.launch_gemv
+    monkeypatch.setattr(hg, "launch_gemv", spy)
+    for supported, preload, tile in [(False, True, narrow), (True, False, narrow), (True, True, wide)]:
+        monkeypatch.setattr(hg, "pdl_supported", lambda _d, s=supported: s)
+        out = hg.gemv_add_sumsq(x, w, None, narrow, res, nw, pdl_wait=True, pdl_preload=preload)
+        assert tiles[-1] == tile
+    plain = hg.gemv_add_sumsq(x, w, None, wide, res, nw)
+    for a, b in zip(out, plain):
+        assert torch.equal(a, b)
+
+
 def test_decode_pdl_setting(monkeypatch):
     """``ROOFLM_DECODE_PDL``: on by default, 0 turns it off, anything else is refused with the variable's name."""
     from rooflm.attention.triton_backend import TritonAttention

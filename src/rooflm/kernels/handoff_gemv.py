@@ -24,11 +24,13 @@
 # it off with the other fusions; ``on`` hands off without the comparison.
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 
+from rooflm.kernels._tl import pdl_supported
 from rooflm.kernels._utils import interpreting
 from rooflm.kernels.gemv import (
     CANDIDATES, EPI_ADD_SUMSQ, EPI_NONE, EPI_SILU_MUL, PRO_NONE, PRO_RMSNORM_SUMSQ, GemvConfig, _short, check_weight,
@@ -61,7 +63,8 @@ def gemv_add_sumsq(
     """(y, h, sumsq) in one launch: h = x @ weight.T + bias + residual, the new residual stream, rounded as the add
     + norm kernel rounds it; y = h * norm_weight rounded, the next projection's input before 1/rms; sumsq (float32,
     one entry per program) partial sums of h^2, which complete the norm's statistic in ``rmsnorm_sumsq_gemv``.
-    ``pdl_preload``: see ``preload_config``."""
+    ``pdl_preload`` (with ``pdl_wait``, where the GPU launches so): each program loads its first weight tile before
+    it waits, with the tile of ``preload_config(cfg, K)``."""
     K, N = x.shape[-1], weight.shape[0]
     _one_row("x", x, K)
     check_weight(weight, K, x.shape)
@@ -69,6 +72,8 @@ def gemv_add_sumsq(
     if norm_weight.shape != (N,):
         raise ValueError(f"norm_weight {tuple(norm_weight.shape)} does not match the projection's {N} rows")
     _row_config(cfg)
+    if pdl_wait and pdl_preload and pdl_supported(x.device):
+        cfg = preload_config(cfg, K)  # the tile that pays for its early load (same rows: the same partial sums)
     sumsq = torch.empty(triton.cdiv(N, cfg.block_n), dtype=torch.float32, device=x.device)
     h = torch.empty_like(residual)
     y = launch_gemv(x, K, weight, bias, cfg, PRO_NONE, residual, norm_weight.contiguous(), residual_out=h,
@@ -90,8 +95,9 @@ def gemv_add_sumsq(
 PRELOAD_BLOCK_K = 2048
 
 
+@functools.lru_cache(maxsize=None)
 def preload_config(cfg: GemvConfig, K: int) -> GemvConfig:
-    """The tile for ``gemv_add_sumsq(..., pdl_wait=True, pdl_preload=True)`` after decode attention: cfg with
+    """The tile ``gemv_add_sumsq(..., pdl_wait=True, pdl_preload=True)`` takes after decode attention: cfg with
     PRELOAD_BLOCK_K columns where that tile divides K, is wider than cfg's and fits the budget; cfg otherwise."""
     if (cfg.use_dot or cfg.split_k != 1 or cfg.block_k >= PRELOAD_BLOCK_K or K % PRELOAD_BLOCK_K
             or cfg.block_n * PRELOAD_BLOCK_K > 8192):

@@ -299,8 +299,7 @@ class LlamaDecoderLayer(nn.Module):
             pick = hg.pick_handoff(x, proj.weight, proj.bias, nxt.weight, nxt.bias, norm.eps, silu_mul)
             if pick is None:
                 return None
-            cfg = hg.preload_config(pick[0], x.shape[-1]) if pdl else pick[0]  # after attention: load, then wait
-            y, h, sumsq = hg.gemv_add_sumsq(x, proj.weight, proj.bias, cfg, residual, norm.weight,
+            y, h, sumsq = hg.gemv_add_sumsq(x, proj.weight, proj.bias, pick[0], residual, norm.weight,
                                             pdl_wait=pdl, pdl_trigger=pdl, pdl_preload=pdl)
         return NormHandoff(h, y, sumsq, pick[1])
 
