@@ -63,3 +63,32 @@ def test_linear_dispatch_falls_back_off_cuda():
 
     x, w, b = torch.randn(2, 8), torch.randn(4, 8), torch.randn(4)
     torch.testing.assert_close(linear(x, w, b), torch.nn.functional.linear(x, w, b))
+
+
+def test_rotary_and_decode_attention_take_cos_sin_as_views_of_one_table(device):
+    """The model looks cos / sin up in one [positions, cos | sin] table on the GPU (``RotaryEmbedding``): its rows
+    reach the rotary kernel and decode attention as two views with one row stride, and give the same bits as two
+    separate tensors of the same values; two different row strides are refused by name."""
+    from kernel_checks import new_token_step
+
+    from rooflm.kernels.decode_attention import NewTokenKV, paged_decode_attention
+    from rooflm.kernels.kv_cache import rotary_write_kv_cache
+
+    q, k, v, cos, sin, cache, tables, seq_lens, slots = new_token_step(4, 2, 64, 16, [5, 19], torch.float16,
+                                                                        device, seed=3)
+    table = torch.cat([cos, sin], dim=1)  # [2, 64]: what RotaryEmbedding.cos_sin gathers
+    tcos, tsin = table[:, :32], table[:, 32:]
+    assert tcos.stride(0) == 64 and not tcos.is_contiguous()
+    outs = []
+    for c, s in ((cos, sin), (tcos, tsin)):
+        out = paged_decode_attention(q.clone(), cache.clone(), tables, seq_lens, 0.125,
+                                     new_kv=NewTokenKV(k.clone(), v.clone(), c, s, slots))
+        qr, kr = rotary_write_kv_cache(q.clone(), k.clone(), v, None, c, s, None, slots, True)
+        outs.append((out, qr, kr))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="row strides differ: 64 / 32"):
+        rotary_write_kv_cache(q.clone(), k.clone(), v, None, tcos, sin, None, slots, True)
+    with pytest.raises(ValueError, match="new_kv.cos/sin row strides differ: 64 / 32"):
+        paged_decode_attention(q.clone(), cache.clone(), tables, seq_lens, 0.125,
+                               new_kv=NewTokenKV(k.clone(), v.clone(), tcos, sin, slots))

@@ -4,6 +4,7 @@ call, and the table follows ``inv_freq`` when it is re-made."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from rooflm.layers.rotary import RotaryEmbedding, compute_inv_freq
@@ -68,3 +69,13 @@ def test_argmax_tokens_is_argmax_with_ties_nan_and_strides():
             x = x[:, ::3]
         assert torch.equal(argmax_tokens(x), x.argmax(dim=-1))
     assert argmax_tokens(torch.tensor([[1.0, 3.0, 3.0, 2.0]])).tolist() == [1]
+
+
+def test_the_gpu_lookup_table_is_asked_for_by_bound_and_is_a_no_op_off_cuda():
+    rot = RotaryEmbedding(16, 10000.0)
+    with pytest.raises(ValueError, match="num_positions=0"):
+        rot.use_device_table(0, torch.float16)
+    rot.use_device_table(4096, torch.float32)  # the CPU keeps its float64-rounded host table
+    positions = torch.arange(50)
+    cos, _ = rot.cos_sin(positions, torch.float32)
+    assert np.array_equal(cos.numpy(), _reference(positions, rot.inv_freq)[0])

@@ -76,6 +76,8 @@ def check_new_kv(nk: NewTokenKV, num_seqs: int, num_kv_heads: int, head_dim: int
                          f"sequences of head_dim={head_dim}")
     check_last_dim_contiguous("new_kv.cos", nk.cos)
     check_last_dim_contiguous("new_kv.sin", nk.sin)
+    if nk.sin.stride(0) != nk.cos.stride(0):  # the kernel steps both by cos's row stride
+        raise ValueError(f"new_kv.cos/sin row strides differ: {nk.cos.stride(0)} / {nk.sin.stride(0)}")
     if nk.slot_mapping.shape != (num_seqs,):
         raise ValueError(f"new_kv.slot_mapping {tuple(nk.slot_mapping.shape)} != ({num_seqs},)")
 

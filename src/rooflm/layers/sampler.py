@@ -44,13 +44,18 @@ def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
     through ``max``, which torch runs about 3x faster on the CPU over a vocabulary-wide row (about 25 against 70 us
     for 49,152 floats on one core). Every greedy choice goes through here, so the plain path, the verification of
     speculative tokens and the drafters all pick the same token. Float32 rows on the CPU go to the native operator
-    (``rooflm.kernels.cpu_native.ops.argmax``: the same indices again, ~5 us a row) where the library is built."""
+    (``rooflm.kernels.cpu_native.ops.argmax``: the same indices again, ~5 us a row) where the library is built; rows
+    on CUDA to the Triton kernel ``rooflm.kernels.argmax.argmax_rows`` (the same indices, one launch)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
         from rooflm.kernels.cpu_native.ops import argmax
 
         out = argmax(logits)
         if out is not None:
             return out
+    if logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1 and logits.numel() > 0:
+        from rooflm.kernels.argmax import argmax_rows
+
+        return argmax_rows(logits)
     return logits.max(dim=-1).indices
 
 

@@ -17,6 +17,29 @@ import torch
 
 from rooflm.sampling_params import SamplingParams
 
+_ALIGN = 16  # bytes: each part starts where a fresh allocation would be aligned for vector loads
+
+
+def upload(parts: list[np.ndarray], device: torch.device, pin: bool) -> list[torch.Tensor]:
+    """The 1-D arrays ``parts`` on ``device`` through one host buffer and one copy (pinned when ``pin``, so the copy
+    does not stall the host), each returned as a view of its own dtype: int64 and int32 inputs arrive as they are
+    used, with no kernel after the copy to change a dtype (a decode step's inputs are a few hundred bytes, and each
+    small kernel would cost about as long as the copy itself). Each part starts at a multiple of 16 bytes."""
+    dtypes = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+    offsets, end = [], 0
+    for i, a in enumerate(parts):
+        if a.dtype not in dtypes or a.ndim != 1:
+            raise ValueError(f"upload: part {i} is {a.dtype} of shape {a.shape}; expected a 1-D int64 or int32 array")
+        offsets.append(end)
+        end += -(-a.nbytes // _ALIGN) * _ALIGN
+    host = torch.zeros(max(end, _ALIGN), dtype=torch.uint8, pin_memory=pin)
+    buf = host.numpy()
+    for a, o in zip(parts, offsets):
+        buf[o:o + a.nbytes] = np.ascontiguousarray(a).view(np.uint8)
+    flat = host.to(device, non_blocking=pin)
+    return [flat[o:o + a.nbytes].view(dtypes[a.dtype]) for a, o in zip(parts, offsets)]
+
+
 def has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
 

@@ -25,7 +25,7 @@ from rooflm.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from rooflm.engine.stop_checker import banned_token_ids
 from rooflm.layers.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs, logprobs_to_dicts
 from rooflm.spec_decode.tree import attention_mask, tree_depths
-from rooflm.worker.input_batch import CachedRequestState, InputBatch
+from rooflm.worker.input_batch import CachedRequestState, InputBatch, upload
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -125,6 +125,9 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, model_config.vocab_size, device)
         self.sampler = Sampler()
         self._pin = device.type == "cuda"  # pinned host buffers for the per-step inputs
+        for m in model.modules():  # cos / sin looked up, not computed, each step (bit-equal; RotaryEmbedding)
+            if hasattr(m, "use_device_table") and device.type == "cuda":
+                m.use_device_table(max_model_len + 64, dtype)  # margin: a verify step's drafts past the last token
         self.num_block_copies = 0
         self.graph_runner = None  # decode CUDA graphs (worker/cuda_graphs.py), set by capture_graphs()
         self.drafter = None  # a model-based speculative proposer (spec_decode/drafter.py), set by the engine
@@ -205,35 +208,30 @@ class ModelRunner:
                 else:
                     sample_idx.append(len(input_ids) - 1)
             states.append(s)
-        n_tok, n_seq = len(input_ids), len(states)
+        n_seq = len(states)
         table = self.batch.block_table[rows]  # [n_seq, max_blocks]
         width = max(1, -(-max(seq_lens) // bs))
         table = table[:, :width]
         seq_of_tok = np.repeat(np.arange(n_seq), np.diff(np.asarray(starts)))
         pos = np.asarray(positions, dtype=np.int64) - np.asarray(dropped, dtype=np.int64)[seq_of_tok]  # cache index
         slots = table[seq_of_tok, pos // bs] * bs + pos % bs
-        # One host buffer, one host-to-device copy (pinned on CUDA, so it does not stall the host):
-        # [input_ids | positions | slot_mapping | query_start_loc | seq_lens | dev_idx | dev_rows | rows | table]
         rope = positions
         if rope_at:  # slots stay consecutive (``positions``); the rotary embedding takes each node's depth
             rope = list(positions)
             for first, depth_pos in rope_at.values():
                 rope[first:first + len(depth_pos)] = depth_pos
-        host = torch.from_numpy(np.concatenate([
-            np.asarray(input_ids + rope, dtype=np.int64), slots,
-            np.asarray(starts + seq_lens + dev_idx + dev_rows + rows, dtype=np.int64), table.ravel()]))
-        if self._pin:
-            host = host.pin_memory()
-        flat = host.to(self.device, non_blocking=True)
-        ids, pos_t, slot_mapping, qsl, lens, d_idx, d_rows, rows_t, tbl = flat.split(
-            [n_tok, n_tok, n_tok, n_seq + 1, n_seq, len(dev_idx), len(dev_rows), n_seq, n_seq * width])
+        i64, i32 = np.int64, np.int32
+        ids, pos_t, slot_mapping, d_idx, d_rows, rows_t, qsl, lens, tbl = upload(
+            [np.asarray(input_ids, i64), np.asarray(rope, i64), slots.astype(i64, copy=False),
+             np.asarray(dev_idx, i64), np.asarray(dev_rows, i64), np.asarray(rows, i64), np.asarray(starts, i32),
+             np.asarray(seq_lens, i32), table.astype(i32).ravel()], self.device, self._pin)
         if dev_idx:
             ids.index_copy_(0, d_idx, self.batch.last_token.index_select(0, d_rows))
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
-            query_start_loc=qsl.to(torch.int32),
-            seq_lens=lens.to(torch.int32),
-            block_tables=tbl.view(n_seq, width).to(torch.int32),
+            query_start_loc=qsl,
+            seq_lens=lens,
+            block_tables=tbl.view(n_seq, width),
             max_query_len=max(starts[i + 1] - starts[i] for i in range(n_seq)),
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=starts,
