@@ -296,3 +296,26 @@ def test_metadata_rejects_bad_plans_and_state():
                                       output_token_counts=torch.zeros(1, V + 1, dtype=torch.int64))
     with pytest.raises(ValueError, match="output_token_counts"):
         sampler(torch.randn(1, V), md)
+
+
+def test_from_params_reuses_an_earlier_steps_device_tensors_for_the_same_params():
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1,
+                                                              presence_penalty=0.5)]
+    gens = [None, make_generator(3, 0, "cpu")]
+    first = SamplingMetadata.from_params(params, [[], []], [[], []], gens, "cpu")
+    again = SamplingMetadata.from_params(params, [[], []], [[], []], gens, "cpu", reuse=first)
+    for f in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+              "frequency_penalty"):
+        assert getattr(again, f) is getattr(first, f), f  # no copy, no cast
+    fresh = SamplingMetadata.from_params(params, [[], []], [[], []], gens, "cpu")
+    for f in dataclasses.fields(SamplingMetadata):
+        a, b = getattr(again, f.name), getattr(fresh, f.name)
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f.name
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
+    one = sampler(logits, again).sampled_token_ids
+    gens2 = [None, make_generator(3, 0, "cpu")]
+    two = sampler(logits, SamplingMetadata.from_params(params, [[], []], [[], []], gens2, "cpu")).sampled_token_ids
+    assert torch.equal(one, two)
+    # a metadata of another row count is not taken
+    other = SamplingMetadata.from_params(params[:1], [[]], [[]], [None], "cpu", reuse=first)
+    assert other.num_rows == 1 and other.temperature is not first.temperature

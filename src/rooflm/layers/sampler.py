@@ -173,10 +173,14 @@ class SamplingMetadata:
         banned_token_ids: Sequence[Sequence[int]] | None = None,
         output_token_counts: torch.Tensor | None = None,
         prompt_token_mask: torch.Tensor | None = None,
+        reuse: "SamplingMetadata | None" = None,
     ) -> "SamplingMetadata":
         """Build the metadata of one step. ``banned_token_ids[i]``: ids row i must not pick (EOS / stop ids under
         ``min_tokens``, from ``rooflm.engine.stop_checker.banned_token_ids``). ``output_token_counts`` /
-        ``prompt_token_mask``: device-resident penalty state (see the fields); the id lists are then not read."""
+        ``prompt_token_mask``: device-resident penalty state (see the fields); the id lists are then not read.
+        ``reuse``: the metadata of an earlier step built from the very same ``params`` objects in the same order;
+        its device tensors (which depend on nothing else and are never written) are taken as they are, which saves
+        the step a host-to-device copy and a cast kernel (a decode step of an unchanged batch)."""
         n = len(params)
         if not (len(output_token_ids) == len(prompt_token_ids) == len(generators) == n):
             raise ValueError(
@@ -189,26 +193,31 @@ class SamplingMetadata:
             raise ValueError(f"SamplingMetadata.from_params: {n} params but {len(banned_token_ids)} banned lists")
         banned = [list(b) for b in banned_token_ids] if banned_token_ids is not None else []
 
-        # One [7, N] host tensor and one copy to the device, not seven (each copy from pageable memory stalls).
-        table = _to_device(
-            [[0.0 if g else float(p.temperature) for p, g in zip(params, greedy)],
-             [float(p.top_k) for p in params],  # exact in float32: top_k <= vocab size < 2**24
-             [float(p.top_p) for p in params],
-             [float(p.min_p) for p in params],
-             [float(p.repetition_penalty) for p in params],
-             [float(p.presence_penalty) for p in params],
-             [float(p.frequency_penalty) for p in params]],
-            torch.float32,
-            device,
-        )
+        if reuse is not None and reuse.num_rows == n:
+            top_k = reuse.top_k
+            fields = (reuse.temperature, reuse.top_p, reuse.min_p, reuse.repetition_penalty, reuse.presence_penalty,
+                      reuse.frequency_penalty)
+        else:  # one [7, N] host tensor and one copy to the device, not seven (each copy from pageable memory stalls)
+            table = _to_device(
+                [[0.0 if g else float(p.temperature) for p, g in zip(params, greedy)],
+                 [float(p.top_k) for p in params],  # exact in float32: top_k <= vocab size < 2**24
+                 [float(p.top_p) for p in params],
+                 [float(p.min_p) for p in params],
+                 [float(p.repetition_penalty) for p in params],
+                 [float(p.presence_penalty) for p in params],
+                 [float(p.frequency_penalty) for p in params]],
+                torch.float32,
+                device,
+            )
+            top_k, fields = table[1].to(torch.int64), (table[0], *table[2:])
         return cls(
-            temperature=table[0],
-            top_k=table[1].to(torch.int64),
-            top_p=table[2],
-            min_p=table[3],
-            repetition_penalty=table[4],
-            presence_penalty=table[5],
-            frequency_penalty=table[6],
+            temperature=fields[0],
+            top_k=top_k,
+            top_p=fields[1],
+            min_p=fields[2],
+            repetition_penalty=fields[3],
+            presence_penalty=fields[4],
+            frequency_penalty=fields[5],
             output_token_ids=[list(o) for o in output_token_ids] if output_token_counts is None else [],
             prompt_token_ids=[list(p) for p in prompt_token_ids] if prompt_token_mask is None else [],
             generators=list(generators),

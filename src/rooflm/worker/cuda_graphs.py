@@ -7,9 +7,9 @@ replays it with one launch.
 How (the same recipe as vLLM's and gpt-fast's):
 - the LM head is captured with the layers: ``run`` leaves the step's float32 logits in ``self.logits``;
 - static input buffers sized for the largest bucket (token ids, positions, slots, query starts, context lengths and
-  block tables up to ``max_model_len``); a step copies its real inputs into them, pads the rest of its bucket with
-  harmless rows (token 0, slot -1 so no cache write, context length 0 so no attention read), replays and returns the
-  first rows of the static output;
+  block tables up to ``max_model_len``); a step copies its real inputs into them and pads the rest of its bucket with
+  harmless rows (slot -1 so no cache write, context length 0 so no attention read), all in one kernel
+  (``rooflm/kernels/graph_inputs.py``), replays and returns the first rows of the static output;
 - one memory pool shared by every bucket's graph, captured largest first, so the buckets together need about the
   memory of the largest;
 - each bucket runs eagerly twice before its capture: Triton compiles, and the GEMV dispatcher times its candidates
@@ -178,15 +178,15 @@ class DecodeGraphRunner:
         n, q = meta.num_seqs, uniform_query_len(meta)
         buckets = self._buckets(q)
         bs = buckets[bisect.bisect_left(buckets, n)]
-        w, t = meta.block_tables.shape[1], n * q
-        self.input_ids[:t].copy_(input_ids, non_blocking=True)
-        self.positions[:t].copy_(positions, non_blocking=True)
-        self.slot_mapping[:t].copy_(meta.slot_mapping, non_blocking=True)
-        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
-        self.block_tables[:n, :w].copy_(meta.block_tables, non_blocking=True)
-        if bs > n:  # padding rows: no cache write; a decode row reads no context, a verify row only its own keys
-            self.slot_mapping[t: bs * q].fill_(-1)
-            self.seq_lens[n:bs].fill_(0 if q == 1 else q)
+        from rooflm.kernels.graph_inputs import misfit, stage_inputs, stage_inputs_ref  # (imports triton)
+
+        t = n * q
+        # the inputs into the graph's buffers, in one launch where they fit it (kernels/graph_inputs.py); padding
+        # rows: no cache write, and a decode row reads no context, a verify row only its own keys
+        src = (input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+        dst = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables)
+        stage = stage_inputs if misfit(src, dst, n, q, bs) is None else stage_inputs_ref
+        stage(src, dst, n, q, bs, 0 if q == 1 else q)
         graph, hidden, logits = self.graphs[(bs, q)]
         graph.replay()
         self.replays += 1

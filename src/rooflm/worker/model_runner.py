@@ -129,6 +129,9 @@ class ModelRunner:
             if hasattr(m, "use_device_table") and device.type == "cuda":
                 m.use_device_table(max_model_len + 64, dtype)  # margin: a verify step's drafts past the last token
         self.num_block_copies = 0
+        # the previous step's sampling parameters (the requests' own objects) and metadata: an unchanged batch
+        # reuses its device tensors (SamplingMetadata.from_params)
+        self._last_sampling: tuple[list, SamplingMetadata | None] = ([], None)
         self.graph_runner = None  # decode CUDA graphs (worker/cuda_graphs.py), set by capture_graphs()
         self.drafter = None  # a model-based speculative proposer (spec_decode/drafter.py), set by the engine
         self.swap_space = None  # HostSwapSpace (worker/swap_space.py) under swap preemption
@@ -408,8 +411,12 @@ class ModelRunner:
             counts = self.batch.output_counts.index_select(0, rows)  # [N, V]; rows without penalties ignore it
             mask = self.batch.prompt_mask.index_select(0, rows)
         empty = [[] for _ in sampling]
+        prev_params, prev_md = self._last_sampling
+        same = len(prev_params) == len(params) and all(a is b for a, b in zip(prev_params, params))
         md = SamplingMetadata.from_params(params, empty, empty, [s.generator for s in sampling], self.device, banned,
-                                          output_token_counts=counts, prompt_token_mask=mask)
+                                          output_token_counts=counts, prompt_token_mask=mask,
+                                          reuse=prev_md if same else None)
+        self._last_sampling = (params, md)
         if grammar:
             md.allowed_token_bitmask = self._batch_bitmask(sampling, out)
         return md, penalty_rows, penalty_index
