@@ -21,9 +21,6 @@ from rooflm.kernels._utils import next_pow2
 
 __all__ = ["argmax_rows", "argmax_rows_ref"]
 
-_BIG = 2**31 - 1
-
-
 @triton.jit
 def _argmax_kernel(x_ptr, out_ptr, V, stride_row, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -31,7 +28,7 @@ def _argmax_kernel(x_ptr, out_ptr, V, stride_row, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     best = float("-inf")
     best_idx = 0  # a row of -inf (or of nothing larger than the first value) keeps index 0
-    nan_idx = 2147483647  # the first NaN's index, or _BIG
+    nan_idx = 2147483647  # the first NaN's index; int32's largest (also "none" in the reductions below)
     for v0 in range(0, V, BLOCK):
         cols = v0 + offs
         mask = cols < V

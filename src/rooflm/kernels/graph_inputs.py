@@ -15,7 +15,7 @@ import triton.language as tl
 
 from rooflm.kernels._utils import next_pow2
 
-__all__ = ["misfit", "stage_inputs", "stage_inputs_ref"]
+__all__ = ["launch_stage", "misfit", "stage_inputs", "stage_inputs_ref"]
 
 
 @triton.jit
@@ -69,6 +69,12 @@ def stage_inputs(src: tuple[torch.Tensor, ...], dst: tuple[torch.Tensor, ...], n
     why = misfit(src, dst, n, q, bs)
     if why is not None:
         raise ValueError(f"stage_inputs: {why}")
+    launch_stage(src, dst, n, q, bs, pad_len)
+
+
+def launch_stage(src: tuple[torch.Tensor, ...], dst: tuple[torch.Tensor, ...], n: int, q: int, bs: int,
+                 pad_len: int) -> None:
+    """``stage_inputs`` without its checks, for a caller that has asked ``misfit`` already (once a step)."""
     w = src[4].shape[1]
     _stage_kernel[(bs,)](*src, *dst, n, w, pad_len, src[4].stride(0), dst[4].stride(0), Q=q,
                          BLOCK_Q=next_pow2(q), BLOCK_W=min(1024, next_pow2(max(w, 1))), num_warps=1)

@@ -104,8 +104,9 @@ class RotaryEmbedding(nn.Module):
             return rows[:, :half].to(dtype), rows[:, half:].to(dtype)
         table = self.__dict__.get("_device_table")
         if table is not None and table.device == positions.device and table.dtype == dtype:
-            rows = table.index_select(0, positions)  # [num_tokens, head_dim]: views of one row each, one stride
-            return rows[:, :self.inv_freq.shape[0]], rows[:, self.inv_freq.shape[0]:]
+            half = self.inv_freq.shape[0]
+            rows = table.index_select(0, positions)  # [num_tokens, 2 half]: cos and sin as views of one row stride
+            return rows[:, :half], rows[:, half:]
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 

@@ -178,14 +178,14 @@ class DecodeGraphRunner:
         n, q = meta.num_seqs, uniform_query_len(meta)
         buckets = self._buckets(q)
         bs = buckets[bisect.bisect_left(buckets, n)]
-        from rooflm.kernels.graph_inputs import misfit, stage_inputs, stage_inputs_ref  # (imports triton)
+        from rooflm.kernels.graph_inputs import launch_stage, misfit, stage_inputs_ref  # (imports triton)
 
         t = n * q
         # the inputs into the graph's buffers, in one launch where they fit it (kernels/graph_inputs.py); padding
         # rows: no cache write, and a decode row reads no context, a verify row only its own keys
         src = (input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
         dst = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables)
-        stage = stage_inputs if misfit(src, dst, n, q, bs) is None else stage_inputs_ref
+        stage = launch_stage if misfit(src, dst, n, q, bs) is None else stage_inputs_ref
         stage(src, dst, n, q, bs, 0 if q == 1 else q)
         graph, hidden, logits = self.graphs[(bs, q)]
         graph.replay()

@@ -125,8 +125,8 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, model_config.vocab_size, device)
         self.sampler = Sampler()
         self._pin = device.type == "cuda"  # pinned host buffers for the per-step inputs
-        for m in model.modules():  # cos / sin looked up, not computed, each step (bit-equal; RotaryEmbedding)
-            if hasattr(m, "use_device_table") and device.type == "cuda":
+        for m in model.modules() if device.type == "cuda" else ():  # cos / sin looked up each step, bit-equal
+            if hasattr(m, "use_device_table"):  # (RotaryEmbedding)
                 m.use_device_table(max_model_len + 64, dtype)  # margin: a verify step's drafts past the last token
         self.num_block_copies = 0
         # the previous step's sampling parameters (the requests' own objects) and metadata: an unchanged batch
