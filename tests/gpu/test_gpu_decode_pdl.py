@@ -1,6 +1,7 @@
-"""Programmatic dependent launch around decode attention (Hopper GPUs): the qkv projection lets the attention kernel
-be scheduled while it drains, o_proj is launched while attention runs and waits in place, and so is gate_up_proj
-while o_proj runs (o_proj loading its first weight tile before it waits). Lossless by construction
+"""Programmatic dependent launch through a one-row decode layer (Hopper GPUs): the qkv projection lets the attention
+kernel be scheduled while it drains, o_proj is launched while attention runs and waits in place, and so are
+gate_up_proj, down_proj and the next layer's qkv_proj, each after the one before lets it in after its main loop
+(o_proj, gate_up_proj and qkv_proj loading their first weight tile before they wait). Lossless by construction
 (every kernel waits for the one before it before it reads what that one writes); checked here bit for bit against
 the same launches without it, eagerly and replayed from a CUDA graph, with float16 and packed 4- and 8-bit weights."""
 import pytest
@@ -12,17 +13,18 @@ if not torch.cuda.is_available():
 from test_quant_gemm import make_packed  # noqa: E402
 
 from rooflm.kernels._tl import pdl_supported  # noqa: E402
+from rooflm.kernels._utils import TRIGGER_LATE, TRIGGER_START  # noqa: E402
 from rooflm.kernels.bench import decode_step_inputs  # noqa: E402
 from rooflm.kernels.decode_attention import NewTokenKV, paged_decode_attention  # noqa: E402
 from rooflm.kernels.gemv import GemvConfig  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-H, HEADS, D = 2048, 16, 128
+H, HEADS, D, I = 2048, 16, 128, 1536
 
 
 def _layer(packed: int):
-    """One decode layer's qkv -> attention -> o -> gate_up as the model launches them at one row (the norms handed
-    over); returns a function of pdl -> every output, and its inputs."""
+    """One decode layer's qkv -> attention -> o -> gate_up -> down, then the next layer's qkv, as the model launches
+    them at one row (the norms handed over); returns a function of pdl -> every output, and its inputs."""
     from rooflm.kernels import handoff_gemv as hg
     from rooflm.kernels.quant_gemv import default_gemv_config
 
@@ -33,36 +35,33 @@ def _layer(packed: int):
     sumsq = torch.rand(8, generator=g, device="cuda") * H / 8
     res = torch.randn(1, H, generator=g, **f16)
     nw = 1 + 0.1 * torch.randn(H, generator=g, **f16)
-    shapes = {"qkv": (3 * H, H), "o": (H, H), "gate_up": (2 * 1536, H)}
+    nw2 = 1 + 0.1 * torch.randn(H, generator=g, **f16)
+    shapes = {"qkv": (3 * H, H), "o": (H, H), "gate_up": (2 * I, H), "down": (H, I)}
     if packed:
         w = {k: make_packed(n, kk, packed, 128, mins=packed == 4, perm=False, dtype=torch.float16, device="cuda")
              for k, (n, kk) in shapes.items()}
         cfg = {k: default_gemv_config(n, kk, packed, 128, 132) for k, (n, kk) in shapes.items()}
+        add_sumsq, norm_gemv = hg.packed_add_sumsq, hg.packed_rmsnorm_sumsq_gemv
     else:
         w = {k: torch.randn(n, kk, generator=g, **f16) * kk ** -0.5 for k, (n, kk) in shapes.items()}
         cfg = {k: GemvConfig(False, 16, 256) for k in shapes}
         cfg["o"] = hg.preload_config(GemvConfig(False, 4, 1024, 1, 4, 2), H)  # the engine's tile after attention
         assert cfg["o"].block_k == hg.PRELOAD_BLOCK_K
+        add_sumsq, norm_gemv = hg.gemv_add_sumsq, hg.rmsnorm_sumsq_gemv
 
     def run(pdl: bool):
-        if packed:
-            qkv = hg.packed_rmsnorm_sumsq_gemv(y, sumsq, 1e-5, w["qkv"], None, cfg["qkv"], pdl_trigger=pdl)
-        else:
-            qkv = hg.rmsnorm_sumsq_gemv(y, sumsq, 1e-5, w["qkv"], None, cfg["qkv"], pdl_trigger=pdl)
+        start, late = (TRIGGER_START, TRIGGER_LATE) if pdl else (0, 0)
+        p = {"pdl_preload": pdl} if not packed else {}  # first weight tile loaded before the wait
+        qkv = norm_gemv(y, sumsq, 1e-5, w["qkv"], None, cfg["qkv"], pdl_trigger=start)
         q, k, v = (t.view(1, HEADS, D) for t in qkv.split([H, H, H], dim=-1))
         a = paged_decode_attention(q, caches[0], tables, seq_lens, D ** -0.5, pdl=pdl,
                                    new_kv=NewTokenKV(k, v, new.cos, new.sin, new.slot_mapping))
-        if packed:
-            yo, h, ss = hg.packed_add_sumsq(a.view(1, H), w["o"], None, cfg["o"], res, nw, pdl_wait=pdl,
-                                            pdl_trigger=pdl)
-            gu = hg.packed_rmsnorm_sumsq_gemv(yo, ss, 1e-5, w["gate_up"], None, cfg["gate_up"], silu_mul=True,
-                                              pdl_wait=pdl)
-        else:
-            yo, h, ss = hg.gemv_add_sumsq(a.view(1, H), w["o"], None, cfg["o"], res, nw, pdl_wait=pdl,
-                                          pdl_trigger=pdl, pdl_preload=pdl)  # its first tile loaded before the wait
-            gu = hg.rmsnorm_sumsq_gemv(yo, ss, 1e-5, w["gate_up"], None, cfg["gate_up"], silu_mul=True,
-                                       pdl_wait=pdl)
-        return [qkv, a, yo, h, ss, gu, caches[0]]
+        yo, h, ss = add_sumsq(a.view(1, H), w["o"], None, cfg["o"], res, nw, pdl_wait=pdl, pdl_trigger=start, **p)
+        gu = norm_gemv(yo, ss, 1e-5, w["gate_up"], None, cfg["gate_up"], silu_mul=True, pdl_wait=pdl,
+                       pdl_trigger=late, **p)
+        yd, h2, ss2 = add_sumsq(gu, w["down"], None, cfg["down"], h, nw2, pdl_wait=pdl, pdl_trigger=late)
+        qkv2 = norm_gemv(yd, ss2, 1e-5, w["qkv"], None, cfg["qkv"], pdl_trigger=start, pdl_wait=pdl, **p)
+        return [qkv, a, yo, h, ss, gu, yd, h2, ss2, qkv2, caches[0]]
     return run, y
 
 

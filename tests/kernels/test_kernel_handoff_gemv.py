@@ -263,13 +263,15 @@ def test_pick_handoff_packed_declines_what_it_cannot_run(device, monkeypatch):
 
 def test_decode_launches_around_attention_with_programmatic_dependent_launch(device, monkeypatch):
     """Where the attention backend launches decode attention with programmatic dependent launch, the one-row decode
-    step asks the handed-over qkv_proj (every layer after the first) to let it start early, o_proj (every layer) to
-    wait in place and let gate_up_proj start early, and gate_up_proj to wait in place; down_proj launches as before.
-    The logits are the same bits as without it (on a Hopper GPU the launches change; elsewhere the flags are dropped
-    at the launch)."""
+    step asks the handed-over qkv_proj (every layer after the first) to wait in place and let it start early, o_proj
+    (every layer) to wait in place and let gate_up_proj start early, gate_up_proj to wait and let down_proj in after
+    its main loop, and down_proj to wait and let the next qkv_proj in after its main loop; qkv_proj, o_proj and
+    gate_up_proj load their first weight tile before they wait. The logits are the same bits as without it (on a
+    Hopper GPU the launches change; elsewhere the flags are dropped at the launch)."""
     import rooflm.kernels.handoff_gemv as hg
     from kernel_checks import tiny_llama
     from rooflm.attention.metadata_utils import allocate_kv_caches, build_attention_metadata
+    from rooflm.kernels._utils import TRIGGER_LATE, TRIGGER_START
     from rooflm.layers.custom_op import select_ops
 
     layers = 3
@@ -278,8 +280,8 @@ def test_decode_launches_around_attention_with_programmatic_dependent_launch(dev
 
     def spy(name, fn):
         def wrapped(*a, **k):
-            calls.append((name, k.get("silu_mul", False), k.get("pdl_trigger", False), k.get("pdl_wait", False))
-                         + ((k.get("pdl_preload", False),) if name == "add" else ()))
+            calls.append((name, k.get("silu_mul", False), k.get("pdl_trigger", 0), k.get("pdl_wait", False),
+                          k.get("pdl_preload", False)))
             return fn(*a, **k)
         return wrapped
 
@@ -305,13 +307,14 @@ def test_decode_launches_around_attention_with_programmatic_dependent_launch(dev
         # the last decode step (the first also timed candidates on a GPU): per layer o_proj's add, gate_up's norm,
         # then down_proj's add and the next layer's qkv norm (not after the last layer)
         expect = []
+        start, late = (TRIGGER_START, TRIGGER_LATE) if pdl else (0, 0)
         for i in range(layers):
             if i:
-                expect.append(("norm", False, pdl, False))  # qkv_proj: lets decode attention start early
-            # o_proj (loading its first weight tile before it waits) and gate_up_proj wait in place
-            expect += [("add", False, pdl, pdl, pdl), ("norm", True, False, pdl)]
+                expect.append(("norm", False, start, pdl, pdl))  # qkv_proj: lets decode attention start early
+            # o_proj lets gate_up_proj in at its start, gate_up_proj lets down_proj in after its loop
+            expect += [("add", False, start, pdl, pdl), ("norm", True, late, pdl, pdl)]
             if i < layers - 1:
-                expect.append(("add", False, False, False, False))  # down_proj as before
+                expect.append(("add", False, late, pdl, False))  # down_proj: the next qkv_proj after its loop
         assert calls == expect
     for a, b in zip(logits[False], logits[True]):
         assert torch.equal(a, b)

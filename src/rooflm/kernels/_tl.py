@@ -31,32 +31,41 @@ def pdl_supported(device: torch.device) -> bool:
 
 def decode_pdl_enabled() -> bool:
     """``ROOFLM_DECODE_PDL`` (default 1): whether one-row decode launches decode attention with programmatic dependent
-    launch, its qkv projection letting it be scheduled early, o_proj and then gate_up_proj waiting in place (see
-    ``rooflm/kernels/decode_attention.py``); 0 turns it off."""
+    launch, its qkv projection letting it be scheduled early, and the projections after it (handed-over norms) waiting
+    in place for the kernel before each (see ``rooflm/kernels/handoff_gemv.py``); 0 turns it off."""
     value = os.environ.get("ROOFLM_DECODE_PDL", "1")
     if value not in ("0", "1"):
         raise ValueError(f"ROOFLM_DECODE_PDL must be 0 or 1; got {value!r}")
     return value == "1"
 
 
-def pdl_launch(trigger: bool, wait: bool, device: torch.device) -> tuple[bool, bool, dict]:
-    """(TRIGGER, WAIT, launch options) for a kernel that calls ``pdl_edges``: both False and no option where the
+def pdl_launch(trigger: int, wait: bool, device: torch.device) -> tuple[int, bool, dict]:
+    """(TRIGGER, WAIT, launch options) for a kernel that calls ``pdl_edges``: 0, False and no option where the
     device cannot launch that way (CPU, the interpreter, GPUs before Hopper). Called on every GEMV launch, so the
     device is only asked when a flag is set."""
     if not (trigger or wait) or not pdl_supported(device):
-        return False, False, {}
-    return trigger, wait, {"launch_pdl": True} if wait else {}
+        return 0, False, {}
+    return int(trigger), wait, {"launch_pdl": True} if wait else {}
 
 
 @triton.jit
 def pdl_edges(TRIGGER: tl.constexpr, WAIT: tl.constexpr):
-    """At a program's start: TRIGGER lets a kernel launched next with programmatic dependent launch be scheduled now
-    (it waits for this grid before it reads what this grid writes); WAIT (the kernel was launched that way) waits
-    for the kernel before to finish, so nothing after it reads a value that kernel has not written yet."""
-    if TRIGGER:
+    """At a program's start: TRIGGER 1 (``_utils.TRIGGER_START``) lets a kernel launched next with programmatic
+    dependent launch be scheduled now (it waits for this grid before it reads what this grid writes); WAIT (the
+    kernel was launched that way) waits for the kernel before to finish, so nothing after it reads a value that
+    kernel has not written yet."""
+    if TRIGGER == 1:
         gdc_launch_dependents()
     if WAIT:
         gdc_wait()
+
+
+@triton.jit
+def pdl_trigger_late(TRIGGER: tl.constexpr):
+    """After a program's main loop: TRIGGER 2 (``_utils.TRIGGER_LATE``) lets the next kernel be scheduled once every
+    program is past it."""
+    if TRIGGER == 2:
+        gdc_launch_dependents()
 
 
 @triton.jit

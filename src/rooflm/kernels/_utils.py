@@ -7,6 +7,14 @@ import os
 import torch
 
 
+# Where a kernel lets the next one be scheduled under programmatic dependent launch (rooflm/kernels/_tl.py). The
+# next kernel's programs then take places on the multiprocessors and wait there: early, they share the issue slots
+# and memory of this kernel's remaining programs; late, only their drain. rooflm/kernels/handoff_gemv.py says which
+# boundary of a decode layer takes which.
+TRIGGER_START = 1  # at each program's start
+TRIGGER_LATE = 2  # after each program's main loop
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 

@@ -55,9 +55,10 @@
 # ``rooflm.kernels.gemv.launch_gemv``), and o_proj after it is launched the same way and waits in place. On an H200
 # (tests/gpu/decode_pdl_chain.py: Llama-2-7B's 32 layers at one row and 1k tokens, qkv -> attention -> o -> gate_up
 # -> down in one CUDA graph) the chain took 3.712 ms with plain launches, 3.663 with attention launched so, 3.642
-# with qkv triggering it, 3.622 with o_proj waiting in place and 3.611 with gate_up_proj after o_proj the same way;
-# between gate_up_proj and down_proj it cost 0.23 ms (so the other boundaries launch as before). Loading the first
-# K/V tile before the wait was tried too: no faster in the chain, and a differently compiled loop (not bit-equal).
+# with qkv triggering it, 3.622 with o_proj waiting in place and 3.611 with gate_up_proj after o_proj the same way
+# (the projections after it are launched so too, each letting the next in late: rooflm/kernels/handoff_gemv.py).
+# Loading the first K/V tile before the wait was tried too: no faster in the chain, and a differently compiled loop
+# (not bit-equal).
 from __future__ import annotations
 
 import os

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from rooflm.kernels._tl import (add_sumsq_inputs, add_sumsq_store, dot, dot_upcast, gdc_wait, pdl_edges,
-                                pdl_launch, rstd_of_partials, sumsq_partials)
+                                pdl_launch, pdl_trigger_late, rstd_of_partials, sumsq_partials)
 from rooflm.kernels._utils import interpreting, time_in_graph, weight_copies  # noqa: F401 (part of this API)
 
 
@@ -126,7 +126,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     PRO: tl.constexpr = 0, HAS_RES: tl.constexpr = False, WRITE_RES: tl.constexpr = False, EPI: tl.constexpr = 0,
-    SS_BLOCK: tl.constexpr = 1, TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False,
+    SS_BLOCK: tl.constexpr = 1, TRIGGER: tl.constexpr = 0, WAIT: tl.constexpr = False,
     PRELOAD: tl.constexpr = False,  # launched to wait, like WAIT, after loading its first weight tile
 ):
     pid_n = tl.program_id(0)
@@ -206,6 +206,7 @@ def _gemv_kernel(
                                 rstd, up_off, PRO, HAS_RES, True, False)
                 w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             acc += dot(x, tl.trans(w), DOT_UPCAST)
+        pdl_trigger_late(TRIGGER)
         if HAS_BIAS and SPLIT == 1:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if EPI == 1:
@@ -239,6 +240,7 @@ def _gemv_kernel(
                 nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0)
                 w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             acc2 += w.to(tl.float32) * (sf * nw.to(tl.float32))[None, :]
+        pdl_trigger_late(TRIGGER)
         acc = tl.sum(acc2, 1) * tl.rsqrt(tl.sum(ss, 0) / K + eps)
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -265,6 +267,7 @@ def _gemv_kernel(
                                 PRO, HAS_RES, True, False)
                 w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        pdl_trigger_late(TRIGGER)
         acc = tl.sum(acc2, 1)
         if PRO == 4:
             acc = acc * rstd_of_partials(ss_parts, K, eps)
@@ -347,16 +350,19 @@ def launch_gemv(
     x2: torch.Tensor, K: int, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
     prologue: int = PRO_NONE, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
     eps: float = 0.0, residual_out: torch.Tensor | None = None, up_offset: int = 0, epilogue: int = EPI_NONE,
-    sumsq: torch.Tensor | None = None, pdl_trigger: bool = False, pdl_wait: bool = False, pdl_preload: bool = False,
+    sumsq: torch.Tensor | None = None, pdl_trigger: int = 0, pdl_wait: bool = False, pdl_preload: bool = False,
 ) -> torch.Tensor:
     """The launch behind ``gemv`` and the fused projections: x2 [M, *] row-major in its last dim, the product over
     its first K columns (after ``prologue``), then ``epilogue``. Callers check shapes. Returns out [M, N] (N: the
     weight's rows, half of them under ``EPI_SILU_MUL``). ``sumsq``: float32 partial sums of squares, written under
     ``EPI_ADD_SUMSQ`` (one per program) and read under ``PRO_RMSNORM_SUMSQ``. Programmatic dependent launch, where
-    the GPU has it (``rooflm.kernels._tl.pdl_launch``): ``pdl_trigger`` lets the kernel launched next start early
-    (from the last launch of this call), ``pdl_wait`` launches this call so and waits before it reads anything;
-    ``pdl_preload`` (with ``pdl_wait``) loads each program's first weight tile before the wait, where the tile is
-    one row-tile GEMV of whole tiles without a prologue (``rooflm.kernels.handoff_gemv.preload_config``)."""
+    the GPU has it (``rooflm.kernels._tl.pdl_launch``): ``pdl_trigger`` lets the kernel launched next be scheduled
+    early (from the last launch of this call): ``TRIGGER_START`` (1, True) once every program has started,
+    ``TRIGGER_LATE`` (2) once every program is past its main loop (see ``rooflm.kernels.handoff_gemv``);
+    ``pdl_wait`` launches this call so and waits before it reads anything; ``pdl_preload`` (with ``pdl_wait``) loads
+    each program's first weight tile before the wait, where the GEMV is one row of whole tiles in one K split whose
+    input is read as it is (no prologue, or the handoff's ``PRO_RMSNORM_SUMSQ``, which scales only the finished
+    sums)."""
     M = x2.shape[0]
     N = weight.shape[0]
     rows_per_program = cfg.block_n
@@ -383,8 +389,8 @@ def launch_gemv(
     ss = sumsq if sumsq is not None else nw
     n_ss = sumsq.numel() if sumsq is not None else 1
     trigger, wait, pdl = pdl_launch(pdl_trigger, pdl_wait, x2.device)
-    preload = (wait and pdl_preload and M == 1 and not cfg.use_dot and split == 1 and even_k and prologue == PRO_NONE
-               and epilogue != EPI_SILU_MUL and N % rows_per_program == 0)
+    preload = (wait and pdl_preload and M == 1 and not cfg.use_dot and split == 1 and even_k
+               and prologue in (PRO_NONE, PRO_RMSNORM_SUMSQ) and N % rows_per_program == 0)
     _gemv_kernel[(triton.cdiv(N, rows_per_program), split)](
         x2, weight, b, dst, M, N, K, k_per_split, x2.stride(0), weight.stride(0), dst.stride(-2), stride_s,
         r, nw, ro, r.stride(0), ro.stride(0), float(eps), up_offset, ss, n_ss,
@@ -392,13 +398,14 @@ def launch_gemv(
         EVEN_K=even_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_UPCAST=dot_upcast(x2.dtype),
         PRO=prologue, HAS_RES=residual is not None and epilogue != EPI_ADD_SUMSQ,
         WRITE_RES=residual_out is not None, EPI=epilogue, SS_BLOCK=triton.next_power_of_2(n_ss),
-        TRIGGER=trigger and split == 1, WAIT=wait and not preload, PRELOAD=preload, num_warps=cfg.num_warps,
+        TRIGGER=trigger if split == 1 else 0, WAIT=wait and not preload, PRELOAD=preload, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl,
     )
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(M, triton.cdiv(N, block))](dst, b, out, M, N, out.stride(0), SPLIT=split,
-                                                          HAS_BIAS=bias is not None, BLOCK=block, TRIGGER=trigger,
+                                                          HAS_BIAS=bias is not None, BLOCK=block,
+                                                          TRIGGER=1 if trigger else 0,
                                                           num_warps=4)
     return out
 

@@ -57,7 +57,7 @@ def gemv_add_sumsq(
     residual: torch.Tensor,  # [1, N]
     norm_weight: torch.Tensor,  # [N]: the next norm's weight
     pdl_wait: bool = False,
-    pdl_trigger: bool = False,
+    pdl_trigger: int = 0,
     pdl_preload: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, h, sumsq) in one launch: h = x @ weight.T + bias + residual, the new residual stream, rounded as the add
@@ -92,6 +92,16 @@ def gemv_add_sumsq(
 # a narrow tile covers too little of the row and holds registers through the loop. So the preloading launch takes a
 # tile PRELOAD_BLOCK_K wide where the picked tile is narrower, within the register budget of the picked rows (at most
 # 8192 products a program).
+#
+# Between two projections the same launch pays only where the first lets the second in late. With each GEMV
+# triggering at its start, the next GEMV's programs sit on the multiprocessors through the last wave of a
+# several-wave grid; with the trigger after each program's main loop (``TRIGGER_LATE``) they arrive for its drain.
+# Batch-1 decode of Llama-2-7B in float16 on an H200 (``rooflm bench latency``, 1024 + 128 tokens, variants
+# alternated in one call): 3.794-3.798 ms with only the boundaries around attention and o_proj -> gate_up_proj
+# launched so; gate_up_proj -> down_proj triggered late 3.770, triggered at the start 3.793-3.798; with down_proj ->
+# the next qkv_proj late as well 3.744-3.750; gate_up_proj and the next qkv_proj loading their first weight tile
+# before they wait as well **3.709-3.720** (the engine's launches). down_proj preloading, two tiles preloaded, o_proj
+# triggering late and the triggers left to the programs' ends (implicit) were no faster.
 PRELOAD_BLOCK_K = 2048
 
 
@@ -113,12 +123,14 @@ def rmsnorm_sumsq_gemv(
     bias: torch.Tensor | None,
     cfg: GemvConfig,
     silu_mul: bool = False,
-    pdl_trigger: bool = False,
+    pdl_trigger: int = 0,
     pdl_wait: bool = False,
+    pdl_preload: bool = False,
 ) -> torch.Tensor:
     """rms_norm(h) @ weight.T + bias = (y @ weight.T) / rms(h) + bias in one launch, rms(h) from ``sumsq``; with
     ``silu_mul`` silu(gate) * up of that product (the epilogue of ``rooflm.kernels.fused_gemv.gemv_silu_mul``).
-    ``pdl_trigger``, ``pdl_wait`` (here and in ``gemv_add_sumsq``): programmatic dependent launch (``launch_gemv``)."""
+    ``pdl_trigger``, ``pdl_wait``, ``pdl_preload`` (here and in ``gemv_add_sumsq``): programmatic dependent launch
+    (``launch_gemv``; the first weight tile, at the picked tile)."""
     K = y.shape[-1]
     _one_row("y", y, K)
     if sumsq.dim() != 1 or sumsq.dtype != torch.float32:
@@ -127,7 +139,7 @@ def rmsnorm_sumsq_gemv(
     _row_config(cfg)
     return launch_gemv(y, K, weight, bias, cfg, PRO_RMSNORM_SUMSQ, eps=eps,
                        epilogue=EPI_SILU_MUL if silu_mul else EPI_NONE, sumsq=sumsq, pdl_trigger=pdl_trigger,
-                       pdl_wait=pdl_wait)
+                       pdl_wait=pdl_wait, pdl_preload=pdl_preload)
 
 
 def gemv_add_sumsq_ref(x, weight, bias, residual, norm_weight):
@@ -236,7 +248,7 @@ def _time_pairs(x, producer, producer_bias, consumer, consumer_bias, eps, silu_m
 # The same two halves for packed (quantized) weights, in the one-row word GEMV (rooflm/kernels/quant_gemv.py)
 # ---------------------------------------------------------------------------------------------------------------------
 def packed_add_sumsq(x: torch.Tensor, pw, bias: torch.Tensor | None, cfg, residual: torch.Tensor,
-                     norm_weight: torch.Tensor, pdl_wait: bool = False, pdl_trigger: bool = False
+                     norm_weight: torch.Tensor, pdl_wait: bool = False, pdl_trigger: int = 0
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``gemv_add_sumsq`` for a packed weight ``pw`` (a ``PackedWeight``) through the word GEMV with ``cfg``."""
     from rooflm.kernels.quant_gemv import launch_gemv as word_gemv
@@ -256,7 +268,7 @@ def packed_add_sumsq(x: torch.Tensor, pw, bias: torch.Tensor | None, cfg, residu
 
 
 def packed_rmsnorm_sumsq_gemv(y: torch.Tensor, sumsq: torch.Tensor, eps: float, pw, bias: torch.Tensor | None, cfg,
-                              silu_mul: bool = False, pdl_trigger: bool = False, pdl_wait: bool = False
+                              silu_mul: bool = False, pdl_trigger: int = 0, pdl_wait: bool = False
                               ) -> torch.Tensor:
     """``rmsnorm_sumsq_gemv`` for a packed weight through the word GEMV with ``cfg``."""
     from rooflm.kernels.quant_gemv import launch_gemv as word_gemv

@@ -41,8 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels._tl import (add_sumsq_inputs, add_sumsq_store, pdl_edges, pdl_launch, rstd_of_partials,
-                                sumsq_partials)
+from rooflm.kernels._tl import (add_sumsq_inputs, add_sumsq_store, pdl_edges, pdl_launch, pdl_trigger_late,
+                                rstd_of_partials, sumsq_partials)
 from rooflm.kernels._utils import device_sms, interpreting
 from rooflm.kernels.gemv import _silu_mul_pairs, _splitk_reduce_kernel
 from rooflm.kernels.quant_gemv_ptx import _halves, _w4_f16x2, _w8_f16x2
@@ -164,7 +164,7 @@ def _quant_gemv_kernel(
     GROUP_WORDS: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, PAIR: tl.constexpr,
     SILU_MUL: tl.constexpr, r_ptr=None, nw_ptr=None, ro_ptr=None, ss_ptr=None, n_ss=1, eps=0.0,
     ADD_SUMSQ: tl.constexpr = False, RSTD: tl.constexpr = False, SS_BLOCK: tl.constexpr = 1,
-    TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False,
+    TRIGGER: tl.constexpr = 0, WAIT: tl.constexpr = False,
 ):
     # A tile is [BLOCK_N rows, GROUPS groups, GROUP_WORDS words]: GROUPS > 1 only when a group is exactly
     # GROUP_WORDS words, so each (row, group) pair has one scale and min per tile. Whole tiles load unmasked; where
@@ -213,6 +213,7 @@ def _quant_gemv_kernel(
             u = _words(rows, mask_n, wtile, k_full, k_hi, PER, EVEN_N, True)
             acc = _tile(acc, u, x_ptr, xw_ptr, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile, k_full, k_hi, GROUP,
                         stride_sn, BITS, HAS_MIN, EVEN_N, True, ASM, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
+    pdl_trigger_late(TRIGGER)
     res = tl.sum(tl.sum(acc, 2), 1)
     if RSTD:  # the consumer of rooflm/kernels/handoff_gemv.py: x is h * norm_weight, the sums times 1/rms(h)
         res = res * rstd_of_partials(ss_parts, K, eps)
@@ -445,15 +446,14 @@ def default_gemv_config(n: int, k: int, bits: int, group_size: int, sms: int) ->
 
 def launch_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
                 cfg: QuantGemvConfig | None = None, silu_mul: bool = False, add_sumsq: tuple | None = None,
-                rstd_sumsq: torch.Tensor | None = None, eps: float = 0.0, pdl_trigger: bool = False,
+                rstd_sumsq: torch.Tensor | None = None, eps: float = 0.0, pdl_trigger: int = 0,
                 pdl_wait: bool = False) -> torch.Tensor:
     """out [1, N] = x [1, K] @ dequantize(pw).T (+ bias); x already gathered by ``pw.perm``, contiguous. With
     ``silu_mul`` (W is [gate | up]): silu(gate) * up [1, N / 2] in the roundings of the GEMV followed by
     ``rooflm.kernels.activation.silu_and_mul``, in one launch (K is not split then). The two halves of
     ``rooflm/kernels/handoff_gemv.py``: ``add_sumsq`` = (residual, norm_weight, h, sumsq) makes out h * norm_weight
     with h = out + residual written to h and sum(h^2) per ``cfg.block_n`` rows to sumsq; ``rstd_sumsq`` (partial
-    sums of squares of the row x was made from) scales the sums by 1/rms. ``pdl_trigger``, ``pdl_wait``: as in
-    ``rooflm.kernels.gemv.launch_gemv``."""
+    sums of squares of the row x was made from) scales the sums by 1/rms. ``pdl_*``: as in ``gemv.launch_gemv``."""
     N, K = pw.out_features, pw.in_features
     if silu_mul and (N % 2 or cfg is None or cfg.block_n < 2):
         raise ValueError(f"silu_mul needs an even number of rows ([gate | up]; got {N}) and a configuration of at "
@@ -489,12 +489,12 @@ def launch_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
         BLOCK_N=cfg.block_n, GROUPS=shape[0],
         GROUP_WORDS=shape[1], ASM=asm, PREFETCH=cfg.prefetch, PAIR=asm and cfg.pair and shape[1] >= 2,
         SILU_MUL=silu_mul, n_ss=ss.numel() if ss is not None else 1, eps=float(eps), RSTD=rstd_sumsq is not None,
-        SS_BLOCK=triton.next_power_of_2(ss.numel()) if ss is not None else 1, **hand, TRIGGER=trigger and split == 1,
+        SS_BLOCK=triton.next_power_of_2(ss.numel()) if ss is not None else 1, **hand, TRIGGER=trigger * (split == 1),
         WAIT=wait, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
     if split > 1:  # one reduce program per cfg.block_n rows under add_sumsq: one partial sum each, as unsplit
         block = cfg.block_n if add_sumsq is not None else 1024
         _splitk_reduce_kernel[(1, triton.cdiv(N, block))](dst, b, out, 1, N, out.stride(0), SPLIT=split,
                                                        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
-                                                       TRIGGER=trigger, **hand)
+                                                       TRIGGER=int(trigger > 0), **hand)
     return out

@@ -144,8 +144,8 @@ class RMSNormLinear(CustomOp):
                 return rmsnorm_gemv(x, norm.weight, norm.eps, proj.weight, proj.bias, cfg, residual, one_pass)
         return self.forward_native(x, residual)  # the two modules, each on the path it chose
 
-    def from_handoff(self, hand: NormHandoff, silu_mul: bool = False, pdl_trigger: bool = False,
-                     pdl_wait: bool = False) -> torch.Tensor:
+    def from_handoff(self, hand: NormHandoff, silu_mul: bool = False, pdl_trigger: int = 0,
+                     pdl_wait: bool = False, pdl_preload: bool = False) -> torch.Tensor:
         """proj(norm(hand.residual)) in one launch from ``hand.scaled``, the statistic from the partial sums the
         previous projection left (``rmsnorm_sumsq_gemv``); with ``silu_mul`` silu(gate) * up of it (``proj``: a [gate
         | up] projection). Programmatic dependent launch: with ``pdl_trigger`` the next kernel, launched that way, may
@@ -161,7 +161,8 @@ class RMSNormLinear(CustomOp):
                                              hand.config, silu_mul=silu_mul, pdl_trigger=pdl_trigger,
                                              pdl_wait=pdl_wait)
         return rmsnorm_sumsq_gemv(hand.scaled, hand.sumsq, norm.eps, proj.weight, proj.bias, hand.config,
-                                  silu_mul=silu_mul, pdl_trigger=pdl_trigger, pdl_wait=pdl_wait)
+                                  silu_mul=silu_mul, pdl_trigger=pdl_trigger, pdl_wait=pdl_wait,
+                                  pdl_preload=pdl_preload)
 
     def handoff_ready(self) -> bool:
         """Whether ``from_handoff`` can run this op: the Triton path with fusions allowed, a float or packed weight."""
