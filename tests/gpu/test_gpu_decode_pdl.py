@@ -83,3 +83,33 @@ def test_pdl_decode_layer_bit_equal_eager_and_in_a_graph(packed):
         ref = run(False)
         for i, (a, b) in enumerate(zip(outs, ref)):
             assert torch.equal(a, b), f"output {i} differs with programmatic dependent launch (replay {step})"
+
+
+@pytest.mark.skipif(not pdl_supported(torch.device("cuda")), reason="programmatic dependent launch needs Hopper")
+def test_pick_handoff_times_the_pair_as_the_model_launches_it(monkeypatch):
+    """With a launch plan the pair's tiles are timed under it, kept apart from the plain pick, and o_proj (which loads
+    its first tile before it waits for decode attention) gets a tile that ``preload_config`` widens; the launched
+    pair computes what the reference does."""
+    from rooflm.kernels import handoff_gemv as hg
+    from rooflm.kernels._utils import DOWN_TO_QKV, O_TO_GATE_UP
+
+    monkeypatch.setattr(hg, "_choices", {})
+    g = torch.Generator(device="cuda").manual_seed(3)
+    f16 = dict(dtype=torch.float16, device="cuda")
+    x = torch.randn(1, H, generator=g, **f16)
+    wo, wgu = (torch.randn(n, H, generator=g, **f16) * H ** -0.5 for n in (H, 2 * I))
+    res, nw = torch.randn(1, H, generator=g, **f16), 1 + 0.1 * torch.randn(H, generator=g, **f16)
+    hg.pick_handoff(x, wo, None, wgu, None, 1e-5, True)
+    pick = hg.pick_handoff(x, wo, None, wgu, None, 1e-5, True, O_TO_GATE_UP)
+    assert len(hg.choices()) == 2 and pick is not None
+    assert hg.preload_config(pick[0], H) != pick[0]
+    y, h, ss = hg.gemv_add_sumsq(x, wo, None, pick[0], res, nw, **O_TO_GATE_UP.producer())
+    out = hg.rmsnorm_sumsq_gemv(y, ss, 1e-5, wgu, None, pick[1], silu_mul=True, **O_TO_GATE_UP.consumer())
+    torch.cuda.synchronize()
+    y_ref, h_ref, _ = hg.gemv_add_sumsq_ref(x, wo, None, res, nw)
+    torch.testing.assert_close(h.float(), h_ref.float(), atol=2e-3, rtol=2e-3)
+    ref = hg.rmsnorm_sumsq_gemv_ref(h_ref, nw, 1e-5, wgu, None, silu_mul=True)
+    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+    wd = torch.randn(H, I, generator=g, **f16) * I ** -0.5  # down_proj -> qkv_proj: any row tile, timed so
+    assert hg.pick_handoff(torch.randn(1, I, generator=g, **f16), wd, None, wgu[: 3 * H], None, 1e-5, False,
+                           DOWN_TO_QKV) is not None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -13,6 +14,30 @@ import torch
 # boundary of a decode layer takes which.
 TRIGGER_START = 1  # at each program's start
 TRIGGER_LATE = 2  # after each program's main loop
+
+
+@dataclass(frozen=True)
+class HandoffLaunch:
+    """How a handed-over pair of one-row projections (rooflm/kernels/handoff_gemv.py) is launched under programmatic
+    dependent launch: both wait in place for the kernel before them, each lets the next kernel in at its trigger
+    and may load its first weight tile before it waits. The model launches the pair so, and ``pick_handoff`` times
+    the pair's tiles so."""
+    producer_trigger: int
+    producer_preload: bool
+    consumer_trigger: int
+    consumer_preload: bool
+
+    def producer(self) -> dict:
+        return {"pdl_wait": True, "pdl_trigger": self.producer_trigger, "pdl_preload": self.producer_preload}
+
+    def consumer(self) -> dict:
+        return {"pdl_wait": True, "pdl_trigger": self.consumer_trigger, "pdl_preload": self.consumer_preload}
+
+
+# o_proj (resident while decode attention runs: its first tile loaded before it waits) -> gate_up_proj, and
+# down_proj -> the next layer's qkv_proj (which lets decode attention in at its start).
+O_TO_GATE_UP = HandoffLaunch(TRIGGER_START, True, TRIGGER_LATE, True)
+DOWN_TO_QKV = HandoffLaunch(TRIGGER_LATE, False, TRIGGER_START, True)
 
 
 def next_pow2(n: int) -> int:

@@ -31,7 +31,7 @@ import torch
 import triton
 
 from rooflm.kernels._tl import pdl_supported
-from rooflm.kernels._utils import interpreting
+from rooflm.kernels._utils import HandoffLaunch, interpreting
 from rooflm.kernels.gemv import (
     CANDIDATES, EPI_ADD_SUMSQ, EPI_NONE, EPI_SILU_MUL, PRO_NONE, PRO_RMSNORM_SUMSQ, GemvConfig, _short, check_weight,
     choose, launch_gemv, time_in_graph, weight_copies,
@@ -180,10 +180,13 @@ def pick_handoff(
     producer: torch.Tensor, producer_bias: torch.Tensor | None,  # [N, K]
     consumer: torch.Tensor, consumer_bias: torch.Tensor | None,  # [N2, N]
     eps: float, silu_mul: bool,
+    launch: HandoffLaunch | None = None,
 ) -> tuple[GemvConfig, GemvConfig] | None:
     """(producer, consumer) configurations for ``gemv_add_sumsq`` then ``rmsnorm_sumsq_gemv`` on rows like x, or
     None where the unfused launches (GEMV, add + norm kernel, GEMV) are faster or the inputs do not suit the
-    kernels. Timed once per shape pair on CUDA; never inside a CUDA-graph capture."""
+    kernels. Timed once per shape pair (and ``launch``) on CUDA; never inside a CUDA-graph capture. With ``launch``
+    (where the GPU launches so) the pair is timed as the model launches it, over every producer tile (see
+    ``_launched_producers``)."""
     if (not _eligible(x, producer, consumer) or producer.shape[1] != x.shape[1]
             or consumer.shape[1] != producer.shape[0]):
         return None
@@ -191,8 +194,10 @@ def pick_handoff(
         return None
     if interpreting():
         return INTERPRETER_PICK
+    if launch is not None and not pdl_supported(x.device):
+        launch = None
     key = (tuple(producer.shape), tuple(consumer.shape), x.dtype, producer_bias is not None,
-           consumer_bias is not None, silu_mul, x.device)
+           consumer_bias is not None, silu_mul, x.device, launch)
     if key in _choices:
         return _choices[key]
     if torch.cuda.is_current_stream_capturing():
@@ -203,10 +208,14 @@ def pick_handoff(
     if mode == "off" or os.environ.get("ROOFLM_GEMV", "auto") == "off":
         _choices[key] = None
         return None
-    first = choose(x, producer, producer_bias)  # the producer keeps its own tile where that is a row tile
-    producer_cfgs = [first] if isinstance(first, GemvConfig) and first in _row_configs() else _row_configs()[:1]
+    if launch is None:
+        first = choose(x, producer, producer_bias)  # the producer keeps its own tile where that is a row tile
+        producer_cfgs = [first] if isinstance(first, GemvConfig) and first in _row_configs() else _row_configs()[:1]
+    else:
+        producer_cfgs = _launched_producers(launch, x.shape[1])
     variants = [(p, c) for p in producer_cfgs for c in _row_configs() if not silu_mul or c.block_n >= 2]
-    results = _time_pairs(x, producer, producer_bias, consumer, consumer_bias, eps, silu_mul, variants, mode)
+    results = _time_pairs(x, producer, producer_bias, consumer, consumer_bias, eps, silu_mul, variants, mode,
+                          launch)
     pick = results[0][1]
     if os.environ.get("ROOFLM_GEMV", "auto") == "verbose":
         print(f"[rooflm.handoff_gemv] {tuple(producer.shape)} -> {tuple(consumer.shape)} silu_mul={silu_mul}: "
@@ -216,7 +225,23 @@ def pick_handoff(
     return pick
 
 
-def _time_pairs(x, producer, producer_bias, consumer, consumer_bias, eps, silu_mul, variants, mode):
+def _launched_producers(launch: HandoffLaunch, K: int) -> list[GemvConfig]:
+    """The producer tiles ``pick_handoff`` times under ``launch``. Under programmatic dependent launch the tile that
+    runs fastest alone is not the one that does in the step (Llama-2-7B on an H200, the engine's launches of 32
+    layers in one CUDA graph: gate_up_proj's 4 x 1024 tile 3.50 ms against 3.57 for the 32 x 256 picked alone,
+    down_proj's 4 x 1024 3.48 against 3.50 for 8 x 512; docs/benchmarks.md), so every row tile is timed. A producer
+    that loads its first tile before it waits for decode attention takes one that ``preload_config`` widens where
+    there is one: that wide first load is what overlaps attention (o_proj's 4 x 1024, widened, 3.51 ms against 3.61
+    for 8 x 512 with gate_up_proj's 4 x 1024; 3.58 against 3.62 for 16 x 512 with its 32 x 256), and the pair's
+    timing has no attention in it to show it."""
+    cfgs = _row_configs()
+    if launch.producer_preload:
+        wide = [c for c in cfgs if preload_config(c, K) != c]
+        cfgs = wide or cfgs
+    return cfgs
+
+
+def _time_pairs(x, producer, producer_bias, consumer, consumer_bias, eps, silu_mul, variants, mode, launch=None):
     from rooflm.kernels.fused_gemv import linear_silu_mul
     from rooflm.kernels.gemv import linear
     from rooflm.kernels.rmsnorm import rms_norm
@@ -231,9 +256,11 @@ def _time_pairs(x, producer, producer_bias, consumer, consumer_bias, eps, silu_m
         h, _ = rms_norm(linear(xs, w[0], producer_bias), nw, eps, res)
         return linear_silu_mul(h, w[1], consumer_bias) if silu_mul else linear(h, w[1], consumer_bias)
 
+    first, then = (launch.producer(), launch.consumer()) if launch is not None else ({}, {})
+
     def fused(v, w):
-        y, _, ss = gemv_add_sumsq(xs, w[0], producer_bias, v[0], res, nw)
-        return rmsnorm_sumsq_gemv(y, ss, eps, w[1], consumer_bias, v[1], silu_mul)
+        y, _, ss = gemv_add_sumsq(xs, w[0], producer_bias, v[0], res, nw, **first)
+        return rmsnorm_sumsq_gemv(y, ss, eps, w[1], consumer_bias, v[1], silu_mul, **then)
 
     results: list[tuple[float, tuple[GemvConfig, GemvConfig] | None]] = []
     if mode == "auto":

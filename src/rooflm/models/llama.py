@@ -33,7 +33,7 @@ from rooflm.distributed.parallel_state import (get_ep_size, get_pp_rank, get_pp_
 from rooflm.distributed.pipeline import (MissingLayer, pp_layer_range, receive_activations, send_activations,
                                          share_logits)
 from rooflm.distributed.partition import Shard, check_tensor_parallel, head_shard, narrow_weight, shard_range
-from rooflm.kernels._utils import TRIGGER_LATE, TRIGGER_START
+from rooflm.kernels._utils import DOWN_TO_QKV, O_TO_GATE_UP, HandoffLaunch
 from rooflm.layers.activation import SiluAndMul, SiluAndMulLinear, get_gated_activation
 from rooflm.layers.attention import Attention
 from rooflm.layers.embedding import LMHead, VocabEmbedding
@@ -257,17 +257,15 @@ class LlamaDecoderLayer(nn.Module):
         # next layer's qkv_proj load their first weight tile before they wait.
         pdl = self.self_attn.attn.backend.programmatic_launch
         if isinstance(hidden, NormHandoff):  # the previous layer's down_proj did the add (see _down)
-            qkv = self.attn_norm_qkv.from_handoff(hidden, pdl_trigger=TRIGGER_START if pdl else 0, pdl_wait=pdl,
-                                                  pdl_preload=pdl)
+            qkv = self.attn_norm_qkv.from_handoff(hidden, **(DOWN_TO_QKV.consumer() if pdl else {}))
             residual = hidden.residual
         else:
             qkv, residual = self.attn_norm_qkv(hidden, residual)  # residual None (first layer): the embeddings
         attn = self.self_attn.attention_output(qkv, cos, sin, kv_cache, meta)
-        hand = self._handoff(attn, self.self_attn.o_proj, residual, self.mlp_norm_gate_up, True, pdl_wait=pdl,
-                             pdl_trigger=TRIGGER_START if pdl else 0, pdl_preload=pdl)
+        hand = self._handoff(attn, self.self_attn.o_proj, residual, self.mlp_norm_gate_up, True,
+                             O_TO_GATE_UP if pdl else None)
         if hand is not None:  # o_proj did the add; gate_up_proj the norm and the activation
-            act = self.mlp_norm_gate_up.from_handoff(hand, silu_mul=True, pdl_wait=pdl,
-                                                     pdl_trigger=TRIGGER_LATE if pdl else 0, pdl_preload=pdl)
+            act = self.mlp_norm_gate_up.from_handoff(hand, silu_mul=True, **(O_TO_GATE_UP.consumer() if pdl else {}))
             return self._down(act, hand.residual, pdl)
         hidden = self.self_attn.o_proj(attn)
         if self.mlp_norm_gate_up is not None:
@@ -283,13 +281,11 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
     def _handoff(self, x: torch.Tensor, proj: Linear, residual: torch.Tensor | None, after: RMSNormLinear | None,
-                 silu_mul: bool, pdl_wait: bool = False, pdl_trigger: int = 0,
-                 pdl_preload: bool = False) -> NormHandoff | None:
+                 silu_mul: bool, launch: HandoffLaunch | None = None) -> NormHandoff | None:
         """proj(x) + residual as a ``NormHandoff`` for ``after`` (the norm and projection that follow), where one row
         runs on the Triton path with float (or two packed) weights and the handoff was measured faster
-        (``pick_handoff``, ``pick_handoff_packed``); None otherwise. ``pdl_wait``, ``pdl_trigger``, ``pdl_preload``:
-        programmatic dependent launch of proj's kernel (``rooflm.kernels.gemv.launch_gemv``; the word GEMV of packed
-        weights does not preload)."""
+        (``pick_handoff``, ``pick_handoff_packed``); None otherwise. ``launch``: programmatic dependent launch of the
+        pair (proj's kernel here, after's by the caller; the word GEMV of packed weights does not preload)."""
         if (after is None or residual is None or x.shape[0] != 1 or not self.handoff_allowed
                 or proj.fp8_tensor_cores or not after.handoff_ready() or residual.shape != (1, proj.out_features)):
             return None
@@ -305,13 +301,14 @@ class LlamaDecoderLayer(nn.Module):
             if pick is None:
                 return None
             y, h, sumsq = hg.packed_add_sumsq(x, pw, proj.bias, pick[0], residual, norm.weight,
-                                              pdl_wait=pdl_wait, pdl_trigger=pdl_trigger)
+                                              pdl_wait=launch is not None,
+                                              pdl_trigger=launch.producer_trigger if launch else 0)
         else:
-            pick = hg.pick_handoff(x, proj.weight, proj.bias, nxt.weight, nxt.bias, norm.eps, silu_mul)
+            pick = hg.pick_handoff(x, proj.weight, proj.bias, nxt.weight, nxt.bias, norm.eps, silu_mul, launch)
             if pick is None:
                 return None
             y, h, sumsq = hg.gemv_add_sumsq(x, proj.weight, proj.bias, pick[0], residual, norm.weight,
-                                            pdl_wait=pdl_wait, pdl_trigger=pdl_trigger, pdl_preload=pdl_preload)
+                                            **(launch.producer() if launch else {}))
         return NormHandoff(h, y, sumsq, pick[1])
 
     def _down(self, act: torch.Tensor, residual: torch.Tensor,
@@ -319,8 +316,7 @@ class LlamaDecoderLayer(nn.Module):
         """down_proj(act) and the residual stream; a ``NormHandoff`` for the next layer where ``_handoff`` applies.
         ``pdl``: act comes from the handed-over gate_up_proj, which lets down_proj's kernel in after its main loop."""
         nxt = self.next_norm_qkv[0] if self.next_norm_qkv else None
-        hand = self._handoff(act, self.mlp.down_proj, residual, nxt, False, pdl_wait=pdl,
-                             pdl_trigger=TRIGGER_LATE if pdl else 0)
+        hand = self._handoff(act, self.mlp.down_proj, residual, nxt, False, DOWN_TO_QKV if pdl else None)
         if hand is not None:
             return hand, hand.residual
         return self.mlp.project(act), residual
