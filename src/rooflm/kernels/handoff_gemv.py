@@ -100,8 +100,10 @@ def gemv_add_sumsq(
 # alternated in one call): 3.794-3.798 ms with only the boundaries around attention and o_proj -> gate_up_proj
 # launched so; gate_up_proj -> down_proj triggered late 3.770, triggered at the start 3.793-3.798; with down_proj ->
 # the next qkv_proj late as well 3.744-3.750; gate_up_proj and the next qkv_proj loading their first weight tile
-# before they wait as well **3.709-3.720** (the engine's launches). down_proj preloading, two tiles preloaded, o_proj
-# triggering late and the triggers left to the programs' ends (implicit) were no faster.
+# before they wait as well **3.709-3.720** (these launches, with the tiles each pair picked under plain launches;
+# timing the pairs under these launches, ``pick_handoff(..., launch)``, then gave 3.56-3.62 ms on two cards).
+# down_proj preloading, two tiles preloaded, o_proj triggering late and the triggers left to the programs' ends
+# (implicit) were no faster.
 PRELOAD_BLOCK_K = 2048
 
 

@@ -148,9 +148,10 @@ class RMSNormLinear(CustomOp):
                      pdl_wait: bool = False, pdl_preload: bool = False) -> torch.Tensor:
         """proj(norm(hand.residual)) in one launch from ``hand.scaled``, the statistic from the partial sums the
         previous projection left (``rmsnorm_sumsq_gemv``); with ``silu_mul`` silu(gate) * up of it (``proj``: a [gate
-        | up] projection). Programmatic dependent launch: with ``pdl_trigger`` the next kernel, launched that way, may
-        be scheduled as soon as this one has started everywhere; with ``pdl_wait`` this one is launched that way and
-        waits for the kernel before it in place."""
+        | up] projection). Programmatic dependent launch (``rooflm.kernels.gemv.launch_gemv``): ``pdl_trigger`` lets
+        the next kernel, launched that way, be scheduled early (``TRIGGER_START`` / ``TRIGGER_LATE``); with
+        ``pdl_wait`` this one is launched that way and waits for the kernel before it in place; ``pdl_preload`` loads
+        its first weight tile before the wait (float weights: the word GEMV of packed ones does not)."""
         from rooflm.kernels.handoff_gemv import rmsnorm_sumsq_gemv
 
         norm, proj = self._parts

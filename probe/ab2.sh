@@ -1,0 +1,11 @@
+#!/bin/bash
+cd "$(dirname "$0")/.."
+run() {
+  PYTHONPATH=$2 python3 -m rooflm.cli bench latency --model llama-2-7b --load-format dummy --dtype float16 \
+    --batch-size ${BS:-1} --input-len 1024 --output-len 128 --num-iters 3 $3 --json $OUT/r.json > $OUT/log_$1.txt 2>&1
+  t=$(python3 -c "import json;d=json.load(open('$OUT/r.json'));print('%.4f ms %.2f%% bound %.4f ms'%(d['tpot_s']*1e3,100*d['fraction_of_roofline_tpot'],d['roofline']['tpot_s']*1e3))")
+  echo "$1 $3 BS=${BS:-1}: $t" | tee -a $OUT/summary.txt
+}
+for r in 1 2 3; do run new src ""; run prev probe/prev/src ""; done
+ROOFLM_GEMV=verbose run newverbose src ""
+grep -E "handoff_gemv\]" $OUT/log_newverbose.txt | cut -c1-400 >> $OUT/summary.txt

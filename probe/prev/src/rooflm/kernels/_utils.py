@@ -1,0 +1,77 @@
+"""Small helpers shared by the kernel modules (no kernels here)."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+# Where a kernel lets the next one be scheduled under programmatic dependent launch (rooflm/kernels/_tl.py). The
+# next kernel's programs then take places on the multiprocessors and wait there: early, they share the issue slots
+# and memory of this kernel's remaining programs; late, only their drain. rooflm/kernels/handoff_gemv.py says which
+# boundary of a decode layer takes which.
+TRIGGER_START = 1  # at each program's start
+TRIGGER_LATE = 2  # after each program's main loop
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int = 0) -> int:
+    if not torch.cuda.is_available():
+        return 8  # the interpreter: small grids keep CPU tests fast
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sms(t: torch.Tensor) -> int:
+    return num_sms(t.device.index or 0) if t.is_cuda else num_sms(0)
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension; its strides are {tuple(t.stride())}")
+
+
+def time_in_graph(call, weights: list[torch.Tensor], device: torch.device, reps: int = 3) -> float:
+    """Median milliseconds of one ``call(w)``, replayed from a CUDA graph that cycles through ``weights`` (copies of
+    one matrix, together several times the L2): each call streams its weight from device memory, as in a real
+    decode step where the other layers' weights evict it, and no launch overhead is counted."""
+    for w in weights:
+        call(w)  # compile / autotune outside the capture
+    torch.cuda.synchronize(device)
+    rounds = max(1, 24 // len(weights))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for w in weights:
+                call(w)
+    graph.replay()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (rounds * len(weights)))
+    del graph
+    times.sort()
+    return times[len(times) // 2]
+
+
+def weight_copies(weight: torch.Tensor, min_bytes: int | None = None) -> list[torch.Tensor]:
+    """``weight`` plus copies enough to hold together about three L2s (at least two matrices, at most eight)."""
+    if min_bytes is None:
+        props = torch.cuda.get_device_properties(weight.device)
+        min_bytes = 3 * int(getattr(props, "L2_cache_size", 64 * 2**20) or 64 * 2**20)
+    n = max(2, min(8, -(-min_bytes // (weight.numel() * weight.element_size()))))
+    return [weight] + [weight.clone() for _ in range(n - 1)]
