@@ -7,7 +7,8 @@ weights): qkv GEMV -> decode attention (the step's token rotated and written by 
 launch (it waits in place for the first, ``griddepcontrol.wait``) and lets the first trigger it as soon as all of its
 programs have started. "o_proj preloading" launches o_proj so that it loads its first weight tile before it waits
 (``launch_gemv(pdl_preload=True)``), with the wider tile of ``preload_config``. Every variant's outputs are checked bit
-for bit against the plain launches of the same tiles first.
+for bit against the plain launches of the same tiles first. (The engine now launches every boundary so, each GEMV
+letting the next kernel in after its main loop, with the handoff kernels: ``tests/gpu/handoff_chain_sweep.py``.)
 
     PYTHONPATH=src python3 tests/gpu/decode_pdl_chain.py
 """
@@ -26,13 +27,12 @@ VARIANTS = {
     "attention launched so, qkv not triggering": ("attention-only",),
     "qkv->attention": ("qkv->attention",),
     "+ attention->o": ("qkv->attention", "attention->o"),
-    "+ o->gate_up (the engine's choice)": ("qkv->attention", "attention->o", "o->gate_up"),
+    "+ o->gate_up": ("qkv->attention", "attention->o", "o->gate_up"),
     "+ gate_up->down": ("qkv->attention", "attention->o", "o->gate_up", "gate_up->down"),
     "+ down->qkv": ("qkv->attention", "attention->o", "o->gate_up", "down->qkv"),
     "every boundary": BOUNDARIES,
-    "o_proj's wide tile, the engine's launches": ("qkv->attention", "attention->o", "o->gate_up", "wide"),
-    "o_proj preloading its wide tile (the engine's choice)": ("qkv->attention", "attention->o", "o->gate_up", "wide",
-                                                              "preload"),
+    "o_proj's wide tile": ("qkv->attention", "attention->o", "o->gate_up", "wide"),
+    "o_proj preloading its wide tile": ("qkv->attention", "attention->o", "o->gate_up", "wide", "preload"),
 }
 
 
