@@ -489,12 +489,12 @@ def launch_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
         BLOCK_N=cfg.block_n, GROUPS=shape[0],
         GROUP_WORDS=shape[1], ASM=asm, PREFETCH=cfg.prefetch, PAIR=asm and cfg.pair and shape[1] >= 2,
         SILU_MUL=silu_mul, n_ss=ss.numel() if ss is not None else 1, eps=float(eps), RSTD=rstd_sumsq is not None,
-        SS_BLOCK=triton.next_power_of_2(ss.numel()) if ss is not None else 1, **hand, TRIGGER=trigger * (split == 1),
-        WAIT=wait, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        SS_BLOCK=triton.next_power_of_2(ss.numel()) if ss is not None else 1, **hand,
+        TRIGGER=trigger if split == 1 else 0, WAIT=wait, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
     if split > 1:  # one reduce program per cfg.block_n rows under add_sumsq: one partial sum each, as unsplit
         block = cfg.block_n if add_sumsq is not None else 1024
         _splitk_reduce_kernel[(1, triton.cdiv(N, block))](dst, b, out, 1, N, out.stride(0), SPLIT=split,
                                                        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
-                                                       TRIGGER=int(trigger > 0), **hand)
+                                                       TRIGGER=1 if trigger else 0, **hand)
     return out
