@@ -1,9 +1,10 @@
 """Programmatic dependent launch through a one-row decode layer (Hopper GPUs): the qkv projection lets the attention
 kernel be scheduled while it drains, o_proj is launched while attention runs and waits in place, and so are
 gate_up_proj, down_proj and the next layer's qkv_proj, each after the one before lets it in after its main loop
-(o_proj, gate_up_proj and qkv_proj loading their first weight tile before they wait). Lossless by construction
-(every kernel waits for the one before it before it reads what that one writes); checked here bit for bit against
-the same launches without it, eagerly and replayed from a CUDA graph, with float16 and packed 4- and 8-bit weights."""
+(o_proj, gate_up_proj and qkv_proj loading their first weight tile before they wait, float or packed). Lossless by
+construction (every kernel waits for the one before it before it reads what that one writes); checked here bit for
+bit against the same launches without it, eagerly and replayed from a CUDA graph, with float16 and packed 4- and
+8-bit weights."""
 import pytest
 import torch
 
@@ -51,7 +52,7 @@ def _layer(packed: int):
 
     def run(pdl: bool):
         start, late = (TRIGGER_START, TRIGGER_LATE) if pdl else (0, 0)
-        p = {"pdl_preload": pdl} if not packed else {}  # first weight tile loaded before the wait
+        p = {"pdl_preload": pdl}  # first weight tile loaded before the wait
         qkv = norm_gemv(y, sumsq, 1e-5, w["qkv"], None, cfg["qkv"], pdl_trigger=start)
         q, k, v = (t.view(1, HEADS, D) for t in qkv.split([H, H, H], dim=-1))
         a = paged_decode_attention(q, caches[0], tables, seq_lens, D ** -0.5, pdl=pdl,
@@ -113,3 +114,48 @@ def test_pick_handoff_times_the_pair_as_the_model_launches_it(monkeypatch):
     wd = torch.randn(H, I, generator=g, **f16) * I ** -0.5  # down_proj -> qkv_proj: any row tile, timed so
     assert hg.pick_handoff(torch.randn(1, I, generator=g, **f16), wd, None, wgu[: 3 * H], None, 1e-5, False,
                            DOWN_TO_QKV) is not None
+
+
+@pytest.mark.skipif(not pdl_supported(torch.device("cuda")), reason="programmatic dependent launch needs Hopper")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pick_handoff_packed_times_the_pair_as_the_model_launches_it(monkeypatch, bits):
+    """Packed weights: with a launch plan the pair's word-GEMV tiles are timed under it over both halves'
+    candidates at the widths in ``PLAN_TIMED_BITS`` (the pick kept apart from the plain one), elsewhere the plain
+    pick stands; the launched pair computes what it does launched plainly (bit for bit) and what the norm kernel
+    between the two GEMVs does (to float16 rounding)."""
+    from rooflm.kernels import handoff_gemv as hg
+    from rooflm.kernels._utils import O_TO_GATE_UP
+    from rooflm.kernels.quant_gemv import gemv_silu_mul, launch_gemv
+    from rooflm.kernels.rmsnorm import rms_norm
+
+    monkeypatch.setattr(hg, "_choices", {})
+    g = torch.Generator(device="cuda").manual_seed(bits)
+    f16 = dict(dtype=torch.float16, device="cuda")
+    wo, wgu = (make_packed(n, H, bits, 128, mins=bits == 4, perm=False, dtype=torch.float16, device="cuda")
+               for n in (H, 2 * I))
+    x = torch.randn(1, H, generator=g, **f16)
+    res, nw = torch.randn(1, H, generator=g, **f16), 1 + 0.1 * torch.randn(H, generator=g, **f16)
+    plain = hg.pick_handoff_packed(x, wo, None, wgu, None, 1e-5, True)
+    pick = hg.pick_handoff_packed(x, wo, None, wgu, None, 1e-5, True, O_TO_GATE_UP)
+    timed = bits in hg.PLAN_TIMED_BITS
+    assert len(hg.choices()) == (2 if timed else 1)
+    if not timed:
+        assert pick == plain
+    variants = hg._packed_variants(wo, wgu, True, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert len(variants) > 1 and all(v[1].split_k == 1 and v[1].block_n >= 2 for v in variants)
+    if pick is None:  # unfused measured faster under the plan: nothing more to run
+        assert plain is None or plain in variants
+        return
+    assert pick in variants or pick == plain
+    outs = []
+    for kw in (O_TO_GATE_UP, None):
+        first = {"pdl_wait": True, "pdl_trigger": kw.producer_trigger} if kw else {}
+        then = {"pdl_wait": True, "pdl_trigger": kw.consumer_trigger} if kw else {}
+        y, h, ss = hg.packed_add_sumsq(x, wo, None, pick[0], res, nw, **first)
+        outs.append((h, hg.packed_rmsnorm_sumsq_gemv(y, ss, 1e-5, wgu, None, pick[1], True, **then)))
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    hn, h_ref = rms_norm(launch_gemv(x, wo, None, pick[0]), nw, 1e-5, res)
+    assert torch.equal(outs[0][0], h_ref)
+    ref = gemv_silu_mul(hn, wgu, None, pick[1])
+    torch.testing.assert_close(outs[0][1].float(), ref.float(), atol=3e-2, rtol=3e-2)

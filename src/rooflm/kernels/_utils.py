@@ -4,8 +4,12 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from rooflm.quantization.packed import PackedWeight
 
 
 # Where a kernel lets the next one be scheduled under programmatic dependent launch (rooflm/kernels/_tl.py). The
@@ -100,3 +104,16 @@ def weight_copies(weight: torch.Tensor, min_bytes: int | None = None) -> list[to
         min_bytes = 3 * int(getattr(props, "L2_cache_size", 64 * 2**20) or 64 * 2**20)
     n = max(2, min(8, -(-min_bytes // (weight.numel() * weight.element_size()))))
     return [weight] + [weight.clone() for _ in range(n - 1)]
+
+
+def packed_copies(pw: PackedWeight) -> list[PackedWeight]:
+    """``pw`` plus copies enough to hold together about three L2s (at least two, at most eight), for timings in
+    which each call streams its weight from device memory."""
+    from rooflm.quantization.packed import PackedWeight
+
+    l2 = 64 * 2**20
+    if pw.qweight.is_cuda:
+        l2 = int(getattr(torch.cuda.get_device_properties(pw.qweight.device), "L2_cache_size", 0) or l2)
+    n = max(2, min(8, -(-3 * l2 // pw.nbytes)))
+    return [pw] + [PackedWeight(pw.qweight.clone(), pw.scales.clone(), None if pw.mins is None else pw.mins.clone(),
+                                pw.bits, pw.group_size) for _ in range(n - 1)]

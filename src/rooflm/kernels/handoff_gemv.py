@@ -277,8 +277,8 @@ def _time_pairs(x, producer, producer_bias, consumer, consumer_bias, eps, silu_m
 # The same two halves for packed (quantized) weights, in the one-row word GEMV (rooflm/kernels/quant_gemv.py)
 # ---------------------------------------------------------------------------------------------------------------------
 def packed_add_sumsq(x: torch.Tensor, pw, bias: torch.Tensor | None, cfg, residual: torch.Tensor,
-                     norm_weight: torch.Tensor, pdl_wait: bool = False, pdl_trigger: int = 0
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     norm_weight: torch.Tensor, pdl_wait: bool = False, pdl_trigger: int = 0,
+                     pdl_preload: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``gemv_add_sumsq`` for a packed weight ``pw`` (a ``PackedWeight``) through the word GEMV with ``cfg``."""
     from rooflm.kernels.quant_gemv import launch_gemv as word_gemv
 
@@ -292,13 +292,13 @@ def packed_add_sumsq(x: torch.Tensor, pw, bias: torch.Tensor | None, cfg, residu
     sumsq = torch.empty(triton.cdiv(N, cfg.block_n), dtype=torch.float32, device=x.device)
     h = torch.empty_like(residual)
     y = word_gemv(x, pw, bias, cfg, add_sumsq=(residual, norm_weight.contiguous(), h, sumsq), pdl_wait=pdl_wait,
-                  pdl_trigger=pdl_trigger)
+                  pdl_trigger=pdl_trigger, pdl_preload=pdl_preload)
     return y, h, sumsq
 
 
 def packed_rmsnorm_sumsq_gemv(y: torch.Tensor, sumsq: torch.Tensor, eps: float, pw, bias: torch.Tensor | None, cfg,
-                              silu_mul: bool = False, pdl_trigger: int = 0, pdl_wait: bool = False
-                              ) -> torch.Tensor:
+                              silu_mul: bool = False, pdl_trigger: int = 0, pdl_wait: bool = False,
+                              pdl_preload: bool = False) -> torch.Tensor:
     """``rmsnorm_sumsq_gemv`` for a packed weight through the word GEMV with ``cfg``."""
     from rooflm.kernels.quant_gemv import launch_gemv as word_gemv
 
@@ -308,14 +308,24 @@ def packed_rmsnorm_sumsq_gemv(y: torch.Tensor, sumsq: torch.Tensor, eps: float, 
     if pw.perm is not None:
         y = y.index_select(1, pw.perm)
     return word_gemv(y, pw, bias, cfg, silu_mul=silu_mul, rstd_sumsq=sumsq, eps=eps, pdl_trigger=pdl_trigger,
-                     pdl_wait=pdl_wait)
+                     pdl_wait=pdl_wait, pdl_preload=pdl_preload)
+
+
+# Which packed widths time their pairs under the model's launch plan. Llama-2-7B on an H200 (batch-1 decode, 1024 +
+# 128, docs/benchmarks.md): 8 bits 2.57-2.59 -> 2.47-2.48 ms with the pairs so timed; 4 bits 2.15 -> 2.16-2.20 ms,
+# the pair timings under the plan (26-29 us, close together) not ranking the tiles as the step does, so 4-bit pairs
+# keep the tiles each projection picks alone.
+PLAN_TIMED_BITS = (8,)
 
 
 def pick_handoff_packed(x: torch.Tensor, producer, producer_bias: torch.Tensor | None, consumer,
-                        consumer_bias: torch.Tensor | None, eps: float, silu_mul: bool):
+                        consumer_bias: torch.Tensor | None, eps: float, silu_mul: bool,
+                        launch: HandoffLaunch | None = None):
     """``pick_handoff`` for two packed weights: the word GEMV configurations each projection runs alone (for
     gate_up_proj its SiLU-and-mul epilogue's), handed over where that was measured faster than the two with the
-    norm kernel between them; None where either projection does not run the word GEMV."""
+    norm kernel between them; None where either projection does not run the word GEMV. With ``launch`` (where the GPU
+    launches so) the pair of 8-bit weights is timed as the model launches it over the word GEMV's candidate tiles of
+    both halves (``_packed_variants``), as ``pick_handoff`` does for float weights (see ``PLAN_TIMED_BITS``)."""
     from rooflm.kernels._utils import device_sms
     from rooflm.kernels.quant_gemv import default_gemv_config, packed_copies, pick_gemv, pick_gemv_silu_mul, supports
 
@@ -323,9 +333,12 @@ def pick_handoff_packed(x: torch.Tensor, producer, producer_bias: torch.Tensor |
             or producer.out_features != consumer.in_features or not (x.is_cuda or interpreting())
             or not supports(x, producer) or not supports(x, consumer)):  # (supports reads x's row count only)
         return None
+    if launch is not None and (not pdl_supported(x.device) or producer.bits not in PLAN_TIMED_BITS
+                               or consumer.bits not in PLAN_TIMED_BITS):
+        launch = None
     key = ("packed", producer.out_features, producer.in_features, consumer.out_features, producer.bits,
            consumer.bits, producer.group_size, consumer.group_size, producer_bias is not None,
-           consumer_bias is not None, silu_mul, x.dtype, x.device)
+           consumer_bias is not None, silu_mul, x.dtype, x.device, launch)
     if key in _choices:
         return _choices[key]
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -349,23 +362,46 @@ def pick_handoff_packed(x: torch.Tensor, producer, producer_bias: torch.Tensor |
         res = torch.randn(1, producer.out_features, dtype=x.dtype, device=x.device)
         nw = torch.ones(producer.out_features, dtype=x.dtype, device=x.device)
         pairs = list(zip(packed_copies(producer), packed_copies(consumer)))
+        plan = (launch.producer(), launch.consumer()) if launch is not None else ({}, {})
 
         def unfused(w):
             h, _ = rms_norm(word_gemv(x, w[0], producer_bias, first), nw, eps, res)
             return (gemv_silu_mul(h, w[1], consumer_bias, then) if silu_mul
                     else word_gemv(h, w[1], consumer_bias, then))
 
-        def fused(w):
-            y2, _, ss = packed_add_sumsq(x, w[0], producer_bias, first, res, nw)
-            return packed_rmsnorm_sumsq_gemv(y2, ss, eps, w[1], consumer_bias, then, silu_mul)
+        def fused(v, w):
+            y2, _, ss = packed_add_sumsq(x, w[0], producer_bias, v[0], res, nw, **plan[0])
+            return packed_rmsnorm_sumsq_gemv(y2, ss, eps, w[1], consumer_bias, v[1], silu_mul, **plan[1])
 
-        t_unfused, t_fused = time_in_graph(unfused, pairs, x.device), time_in_graph(fused, pairs, x.device)
+        variants = [pick] + ([v for v in _packed_variants(producer, consumer, silu_mul, device_sms(x)) if v != pick]
+                             if launch is not None else [])
+        results = [(time_in_graph(unfused, pairs, x.device), None)]
+        results += [(time_in_graph(lambda w, v=v: fused(v, w), pairs, x.device), v) for v in variants]
+        results.sort(key=lambda r: r[0])
         if os.environ.get("ROOFLM_GEMV", "auto") == "verbose":
-            print(f"[rooflm.handoff_gemv] packed {key[1:4]} silu_mul={silu_mul}: unfused={t_unfused * 1e3:.1f}us, "
-                  f"handed over={t_fused * 1e3:.1f}us")
-        pick = pick if t_fused < t_unfused else None
+            print(f"[rooflm.handoff_gemv] packed {key[1:4]} silu_mul={silu_mul} launch={launch is not None}: "
+                  + ", ".join(("unfused" if v is None else f"{_qshort(v[0])}/{_qshort(v[1])}")
+                              + f"={t * 1e3:.1f}us" for t, v in results[:8]))
+        pick = results[0][1]
     _choices[key] = pick
     return pick
+
+
+def _packed_variants(producer, consumer, silu_mul: bool, sms: int) -> list[tuple]:
+    """Every (producer, consumer) pair of the word GEMV's candidate tiles (``gemv_candidates``; the consumer's with
+    SiLU-and-mul unsplit and of at least two rows), for timing under a launch plan: as for float weights, the tile a
+    projection runs fastest alone need not be the one that runs fastest between its neighbours."""
+    from rooflm.kernels.quant_gemv import gemv_candidates
+
+    def cands(pw, silu: bool):
+        return [c for c in gemv_candidates(pw.out_features, pw.in_features, pw.bits, pw.group_size, sms)
+                if c is not None and (not silu or (c.split_k == 1 and c.block_n >= 2))]
+    return [(p, c) for p in cands(producer, False) for c in cands(consumer, silu_mul)]
+
+
+def _qshort(c) -> str:
+    return (f"{c.block_n}x{c.words}w" + (f"/s{c.split_k}" if c.split_k > 1 else "") + f"/{c.num_warps}w"
+            + ("p" if c.prefetch else "") + ("2" if c.pair else ""))
 
 
 def choices() -> dict[tuple, tuple[GemvConfig, GemvConfig] | None]:

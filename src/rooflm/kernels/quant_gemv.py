@@ -41,9 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from rooflm.kernels._tl import (add_sumsq_inputs, add_sumsq_store, pdl_edges, pdl_launch, pdl_trigger_late,
+from rooflm.kernels._tl import (add_sumsq_inputs, add_sumsq_store, gdc_wait, pdl_edges, pdl_launch, pdl_trigger_late,
                                 rstd_of_partials, sumsq_partials)
-from rooflm.kernels._utils import device_sms, interpreting
+from rooflm.kernels._utils import device_sms, interpreting, packed_copies  # noqa: F401 (part of this API)
 from rooflm.kernels.gemv import _silu_mul_pairs, _splitk_reduce_kernel
 from rooflm.kernels.quant_gemv_ptx import _halves, _w4_f16x2, _w8_f16x2
 from rooflm.quantization.packed import PackedWeight
@@ -164,14 +164,14 @@ def _quant_gemv_kernel(
     GROUP_WORDS: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, PAIR: tl.constexpr,
     SILU_MUL: tl.constexpr, r_ptr=None, nw_ptr=None, ro_ptr=None, ss_ptr=None, n_ss=1, eps=0.0,
     ADD_SUMSQ: tl.constexpr = False, RSTD: tl.constexpr = False, SS_BLOCK: tl.constexpr = 1,
-    TRIGGER: tl.constexpr = 0, WAIT: tl.constexpr = False,
+    TRIGGER: tl.constexpr = 0, WAIT: tl.constexpr = False, PRELOAD: tl.constexpr = False,
 ):
     # A tile is [BLOCK_N rows, GROUPS groups, GROUP_WORDS words]: GROUPS > 1 only when a group is exactly
     # GROUP_WORDS words, so each (row, group) pair has one scale and min per tile. Whole tiles load unmasked; where
     # the tile does not divide K, the last one (from k_full on) is masked.
     PER: tl.constexpr = 32 // BITS  # codes per word
     TILE: tl.constexpr = GROUPS * GROUP_WORDS * PER  # columns of x per tile
-    pdl_edges(TRIGGER, WAIT)  # programmatic dependent launch (see rooflm.kernels.gemv.launch_gemv)
+    pdl_edges(TRIGGER, WAIT and not PRELOAD)  # programmatic dependent launch (see rooflm.kernels.gemv.launch_gemv)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if SILU_MUL:  # W is [gate | up], N = 2 * intermediate: rows interleaved, gate j then up j (N // 2 + j)
@@ -189,6 +189,9 @@ def _quant_gemv_kernel(
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     k_full = k_lo + (k_hi - k_lo) // TILE * TILE
+    if PRELOAD:  # whole tiles: the first one's words (which no kernel writes) loaded before the wait
+        u = _words(rows, mask_n, wtile, k_lo, k_hi, PER, EVEN_N, False)
+        gdc_wait()
     epi_in = (r_ptr, nw_ptr)
     if ADD_SUMSQ and SPLIT == 1:  # loaded now, used after the main loop (see rooflm/kernels/_tl.py)
         epi_in = add_sumsq_inputs(r_ptr, nw_ptr, offs_n, mask_n)
@@ -196,7 +199,8 @@ def _quant_gemv_kernel(
     if RSTD:
         ss_parts = sumsq_partials(ss_ptr, n_ss, SS_BLOCK)
     if PREFETCH:  # the next tile's words are loaded before this tile's products: two tiles in flight
-        u = _words(rows, mask_n, wtile, k_lo, k_hi, PER, EVEN_N, True)  # masked: K may hold no whole tile
+        if not PRELOAD:
+            u = _words(rows, mask_n, wtile, k_lo, k_hi, PER, EVEN_N, True)  # masked: K may hold no whole tile
         last = tl.maximum(k_full - TILE, k_lo)
         for k0 in range(k_lo, k_full, TILE):
             u_next = _words(rows, mask_n, wtile, tl.minimum(k0 + TILE, last), k_hi, PER, EVEN_N, False)
@@ -204,7 +208,12 @@ def _quant_gemv_kernel(
                         stride_sn, BITS, HAS_MIN, EVEN_N, False, ASM, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
             u = u_next
     else:
-        for k0 in range(k_lo, k_full, TILE):
+        k_start = k_lo
+        if PRELOAD:  # the first iteration, in its order
+            acc = _tile(acc, u, x_ptr, xw_ptr, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile, k_lo, k_hi, GROUP,
+                        stride_sn, BITS, HAS_MIN, EVEN_N, False, ASM, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
+            k_start = k_lo + TILE
+        for k0 in range(k_start, k_full, TILE):
             u = _words(rows, mask_n, wtile, k0, k_hi, PER, EVEN_N, False)
             acc = _tile(acc, u, x_ptr, xw_ptr, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile, k0, k_hi, GROUP,
                         stride_sn, BITS, HAS_MIN, EVEN_N, False, ASM, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
@@ -396,17 +405,6 @@ def gemv_silu_mul(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
     return launch_gemv(x, pw, bias, cfg, silu_mul=True)
 
 
-def packed_copies(pw: PackedWeight) -> list[PackedWeight]:
-    """``pw`` plus copies enough to hold together about three L2s (at least two, at most eight), for timings in
-    which each call streams its weight from device memory."""
-    l2 = 64 * 2**20
-    if pw.qweight.is_cuda:
-        l2 = int(getattr(torch.cuda.get_device_properties(pw.qweight.device), "L2_cache_size", 0) or l2)
-    n = max(2, min(8, -(-3 * l2 // pw.nbytes)))
-    return [pw] + [PackedWeight(pw.qweight.clone(), pw.scales.clone(), None if pw.mins is None else pw.mins.clone(),
-                                pw.bits, pw.group_size) for _ in range(n - 1)]
-
-
 def fastest(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, cands: list["QuantGemvConfig | None"],
             timer) -> "QuantGemvConfig | None":
     """The candidate with the smallest ``timer(call, weights, device)`` over copies of ``pw`` that together exceed
@@ -447,13 +445,14 @@ def default_gemv_config(n: int, k: int, bits: int, group_size: int, sms: int) ->
 def launch_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
                 cfg: QuantGemvConfig | None = None, silu_mul: bool = False, add_sumsq: tuple | None = None,
                 rstd_sumsq: torch.Tensor | None = None, eps: float = 0.0, pdl_trigger: int = 0,
-                pdl_wait: bool = False) -> torch.Tensor:
+                pdl_wait: bool = False, pdl_preload: bool = False) -> torch.Tensor:
     """out [1, N] = x [1, K] @ dequantize(pw).T (+ bias); x already gathered by ``pw.perm``, contiguous. With
     ``silu_mul`` (W is [gate | up]): silu(gate) * up [1, N / 2] in the roundings of the GEMV followed by
     ``rooflm.kernels.activation.silu_and_mul``, in one launch (K is not split then). The two halves of
     ``rooflm/kernels/handoff_gemv.py``: ``add_sumsq`` = (residual, norm_weight, h, sumsq) makes out h * norm_weight
     with h = out + residual written to h and sum(h^2) per ``cfg.block_n`` rows to sumsq; ``rstd_sumsq`` (partial
-    sums of squares of the row x was made from) scales the sums by 1/rms. ``pdl_*``: as in ``gemv.launch_gemv``."""
+    sums of squares of the row x was made from) scales the sums by 1/rms. ``pdl_*``: as in ``gemv.launch_gemv``
+    (the first tile preloaded where K is whole tiles)."""
     N, K = pw.out_features, pw.in_features
     if silu_mul and (N % 2 or cfg is None or cfg.block_n < 2):
         raise ValueError(f"silu_mul needs an even number of rows ([gate | up]; got {N}) and a configuration of at "
@@ -490,7 +489,8 @@ def launch_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
         GROUP_WORDS=shape[1], ASM=asm, PREFETCH=cfg.prefetch, PAIR=asm and cfg.pair and shape[1] >= 2,
         SILU_MUL=silu_mul, n_ss=ss.numel() if ss is not None else 1, eps=float(eps), RSTD=rstd_sumsq is not None,
         SS_BLOCK=triton.next_power_of_2(ss.numel()) if ss is not None else 1, **hand,
-        TRIGGER=trigger if split == 1 else 0, WAIT=wait, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        TRIGGER=trigger if split == 1 else 0, WAIT=wait, PRELOAD=wait and pdl_preload and K % tile == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
     if split > 1:  # one reduce program per cfg.block_n rows under add_sumsq: one partial sum each, as unsplit
         block = cfg.block_n if add_sumsq is not None else 1024

@@ -151,7 +151,7 @@ class RMSNormLinear(CustomOp):
         | up] projection). Programmatic dependent launch (``rooflm.kernels.gemv.launch_gemv``): ``pdl_trigger`` lets
         the next kernel, launched that way, be scheduled early (``TRIGGER_START`` / ``TRIGGER_LATE``); with
         ``pdl_wait`` this one is launched that way and waits for the kernel before it in place; ``pdl_preload`` loads
-        its first weight tile before the wait (float weights: the word GEMV of packed ones does not)."""
+        its first weight tile before the wait (where K is whole tiles)."""
         from rooflm.kernels.handoff_gemv import rmsnorm_sumsq_gemv
 
         norm, proj = self._parts
@@ -160,7 +160,7 @@ class RMSNormLinear(CustomOp):
 
             return packed_rmsnorm_sumsq_gemv(hand.scaled, hand.sumsq, norm.eps, proj.packed_weight, proj.bias,
                                              hand.config, silu_mul=silu_mul, pdl_trigger=pdl_trigger,
-                                             pdl_wait=pdl_wait)
+                                             pdl_wait=pdl_wait, pdl_preload=pdl_preload)
         return rmsnorm_sumsq_gemv(hand.scaled, hand.sumsq, norm.eps, proj.weight, proj.bias, hand.config,
                                   silu_mul=silu_mul, pdl_trigger=pdl_trigger, pdl_wait=pdl_wait,
                                   pdl_preload=pdl_preload)

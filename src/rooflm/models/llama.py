@@ -285,7 +285,7 @@ class LlamaDecoderLayer(nn.Module):
         """proj(x) + residual as a ``NormHandoff`` for ``after`` (the norm and projection that follow), where one row
         runs on the Triton path with float (or two packed) weights and the handoff was measured faster
         (``pick_handoff``, ``pick_handoff_packed``); None otherwise. ``launch``: programmatic dependent launch of the
-        pair (proj's kernel here, after's by the caller; the word GEMV of packed weights does not preload)."""
+        pair (proj's kernel here, after's by the caller), under which both picks time the pair."""
         if (after is None or residual is None or x.shape[0] != 1 or not self.handoff_allowed
                 or proj.fp8_tensor_cores or not after.handoff_ready() or residual.shape != (1, proj.out_features)):
             return None
@@ -296,13 +296,12 @@ class LlamaDecoderLayer(nn.Module):
             return None
         if proj.quantized:  # two packed weights: the word GEMV's epilogue and scale (rooflm/kernels/quant_gemv.py)
             pw = proj.packed_weight
-            pick = (hg.pick_handoff_packed(x, pw, proj.bias, nxt.packed_weight, nxt.bias, norm.eps, silu_mul)
+            pick = (hg.pick_handoff_packed(x, pw, proj.bias, nxt.packed_weight, nxt.bias, norm.eps, silu_mul, launch)
                     if pw is not None and x.is_cuda else None)
             if pick is None:
                 return None
             y, h, sumsq = hg.packed_add_sumsq(x, pw, proj.bias, pick[0], residual, norm.weight,
-                                              pdl_wait=launch is not None,
-                                              pdl_trigger=launch.producer_trigger if launch else 0)
+                                              **(launch.producer() if launch else {}))
         else:
             pick = hg.pick_handoff(x, proj.weight, proj.bias, nxt.weight, nxt.bias, norm.eps, silu_mul, launch)
             if pick is None:
