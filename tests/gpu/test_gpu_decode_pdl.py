@@ -27,7 +27,7 @@ def _layer(packed: int):
     """One decode layer's qkv -> attention -> o -> gate_up -> down, then the next layer's qkv, as the model launches
     them at one row (the norms handed over); returns a function of pdl -> every output, and its inputs."""
     from rooflm.kernels import handoff_gemv as hg
-    from rooflm.kernels.quant_gemv import default_gemv_config
+    from rooflm.kernels.quant_gemv import QuantGemvConfig, default_gemv_config
 
     g = torch.Generator(device="cuda").manual_seed(packed)
     f16 = dict(dtype=torch.float16, device="cuda")
@@ -42,6 +42,9 @@ def _layer(packed: int):
         w = {k: make_packed(n, kk, packed, 128, mins=packed == 4, perm=False, dtype=torch.float16, device="cuda")
              for k, (n, kk) in shapes.items()}
         cfg = {k: default_gemv_config(n, kk, packed, 128, 132) for k, (n, kk) in shapes.items()}
+        # o_proj split over K (as the engine's 8-bit picks are), qkv_proj prefetching: each preloads its first tile
+        cfg["o"] = QuantGemvConfig(16, 64, 2, 2, 3)
+        cfg["qkv"] = QuantGemvConfig(16, 64, 1, 2, 3, prefetch=True)
         add_sumsq, norm_gemv = hg.packed_add_sumsq, hg.packed_rmsnorm_sumsq_gemv
     else:
         w = {k: torch.randn(n, kk, generator=g, **f16) * kk ** -0.5 for k, (n, kk) in shapes.items()}
