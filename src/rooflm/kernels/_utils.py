@@ -97,12 +97,20 @@ def time_in_graph(call, weights: list[torch.Tensor], device: torch.device, reps:
     return times[len(times) // 2]
 
 
+def _copy_count(nbytes: int, device: torch.device, min_bytes: int | None = None) -> int:
+    """How many copies of an ``nbytes`` matrix hold together ``min_bytes`` (default: about three L2s of
+    ``device``): at least two, at most eight."""
+    if min_bytes is None:
+        l2 = 64 * 2**20
+        if device.type == "cuda":
+            l2 = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or l2)
+        min_bytes = 3 * l2
+    return max(2, min(8, -(-min_bytes // nbytes)))
+
+
 def weight_copies(weight: torch.Tensor, min_bytes: int | None = None) -> list[torch.Tensor]:
     """``weight`` plus copies enough to hold together about three L2s (at least two matrices, at most eight)."""
-    if min_bytes is None:
-        props = torch.cuda.get_device_properties(weight.device)
-        min_bytes = 3 * int(getattr(props, "L2_cache_size", 64 * 2**20) or 64 * 2**20)
-    n = max(2, min(8, -(-min_bytes // (weight.numel() * weight.element_size()))))
+    n = _copy_count(weight.numel() * weight.element_size(), weight.device, min_bytes)
     return [weight] + [weight.clone() for _ in range(n - 1)]
 
 
@@ -111,9 +119,6 @@ def packed_copies(pw: PackedWeight) -> list[PackedWeight]:
     which each call streams its weight from device memory."""
     from rooflm.quantization.packed import PackedWeight
 
-    l2 = 64 * 2**20
-    if pw.qweight.is_cuda:
-        l2 = int(getattr(torch.cuda.get_device_properties(pw.qweight.device), "L2_cache_size", 0) or l2)
-    n = max(2, min(8, -(-3 * l2 // pw.nbytes)))
+    n = _copy_count(pw.nbytes, pw.qweight.device)
     return [pw] + [PackedWeight(pw.qweight.clone(), pw.scales.clone(), None if pw.mins is None else pw.mins.clone(),
                                 pw.bits, pw.group_size) for _ in range(n - 1)]
