@@ -155,7 +155,8 @@ def narrow_packed(pw: PackedWeight, shard: Shard) -> PackedWeight | torch.Tensor
         end = shard.start + shard.size
         return dataclasses.replace(pw, qweight=pw.qweight[shard.start:end].contiguous(),
                                    scales=pw.scales[shard.start:end].contiguous(),
-                                   mins=None if pw.mins is None else pw.mins[shard.start:end].contiguous())
+                                   mins=None if pw.mins is None else pw.mins[shard.start:end].contiguous(),
+                                   mma=None)
     g = pw.group_size
     if pw.perm is None and shard.start % g == 0 and shard.size % g == 0:
         per_byte = 2 if pw.bits == 4 else 1
@@ -163,7 +164,7 @@ def narrow_packed(pw: PackedWeight, shard: Shard) -> PackedWeight | torch.Tensor
         cols = slice(shard.start // per_byte, (shard.start + shard.size) // per_byte)
         return dataclasses.replace(pw, qweight=pw.qweight[:, cols].contiguous(),
                                    scales=pw.scales[:, groups].contiguous(),
-                                   mins=None if pw.mins is None else pw.mins[:, groups].contiguous())
+                                   mins=None if pw.mins is None else pw.mins[:, groups].contiguous(), mma=None)
     return dequantize(pw, dtype=torch.float32).narrow(1, shard.start, shard.size)
 
 

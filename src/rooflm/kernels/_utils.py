@@ -97,6 +97,17 @@ def time_in_graph(call, weights: list[torch.Tensor], device: torch.device, reps:
     return times[len(times) // 2]
 
 
+def check_tiles(cfg, names: tuple[str, ...]) -> None:
+    """ValueError naming the field unless each of ``names`` of the kernel configuration ``cfg`` is a power of two
+    and its ``split_k`` at least 1."""
+    for name in names:
+        v = getattr(cfg, name)
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{name}={v} must be a power of two")
+    if cfg.split_k < 1:
+        raise ValueError(f"split_k={cfg.split_k} must be >= 1")
+
+
 def _copy_count(nbytes: int, device: torch.device, min_bytes: int | None = None) -> int:
     """How many copies of an ``nbytes`` matrix hold together ``min_bytes`` (default: about three L2s of
     ``device``): at least two, at most eight."""
@@ -121,4 +132,5 @@ def packed_copies(pw: PackedWeight) -> list[PackedWeight]:
 
     n = _copy_count(pw.nbytes, pw.qweight.device)
     return [pw] + [PackedWeight(pw.qweight.clone(), pw.scales.clone(), None if pw.mins is None else pw.mins.clone(),
-                                pw.bits, pw.group_size) for _ in range(n - 1)]
+                                pw.bits, pw.group_size, mma=None if pw.mma is None else pw.mma.clone())
+                   for _ in range(n - 1)]

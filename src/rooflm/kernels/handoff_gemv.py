@@ -328,6 +328,7 @@ def pick_handoff_packed(x: torch.Tensor, producer, producer_bias: torch.Tensor |
     both halves (``_packed_variants``), as ``pick_handoff`` does for float weights (see ``PLAN_TIMED_BITS``)."""
     from rooflm.kernels._utils import device_sms
     from rooflm.kernels.quant_gemv import default_gemv_config, packed_copies, pick_gemv, pick_gemv_silu_mul, supports
+    from rooflm.kernels.quant_gemv_mma import MmaGemvConfig
 
     if (x.dim() != 2 or x.shape[0] != 1 or x.dtype not in (torch.float16, torch.bfloat16)
             or producer.out_features != consumer.in_features or not (x.is_cuda or interpreting())
@@ -338,7 +339,8 @@ def pick_handoff_packed(x: torch.Tensor, producer, producer_bias: torch.Tensor |
         launch = None
     key = ("packed", producer.out_features, producer.in_features, consumer.out_features, producer.bits,
            consumer.bits, producer.group_size, consumer.group_size, producer_bias is not None,
-           consumer_bias is not None, silu_mul, x.dtype, x.device, launch)
+           consumer_bias is not None, silu_mul, x.dtype, x.device, launch, producer.mma is not None,
+           consumer.mma is not None)
     if key in _choices:
         return _choices[key]
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -353,10 +355,16 @@ def pick_handoff_packed(x: torch.Tensor, producer, producer_bias: torch.Tensor |
         return cfg or default_gemv_config(pw.out_features, pw.in_features, pw.bits, pw.group_size, device_sms(v))
 
     first, then = word(x, producer, producer_bias, False), word(y, consumer, consumer_bias, silu_mul)
-    pick = None if first is None or then is None or (silu_mul and then.block_n < 2) else (first, then)
+    # The tensor-core GEMV (rooflm/kernels/quant_gemv_mma.py) has no handoff epilogue: where a projection picked it,
+    # the unfused pair runs it and the handed-over pair the word GEMV's static tile.
+    fw, tw = (c if not isinstance(c, MmaGemvConfig) else default_gemv_config(pw.out_features, pw.in_features,
+                                                                              pw.bits, pw.group_size, device_sms(x))
+              for c, pw in ((first, producer), (then, consumer)))
+    pick = None if fw is None or tw is None or (silu_mul and tw.block_n < 2) else (fw, tw)
     if pick is not None and not interpreting() and fused_gemv_mode() == "auto":
         from rooflm.kernels.quant_gemv import gemv_silu_mul
         from rooflm.kernels.quant_gemv import launch_gemv as word_gemv
+        from rooflm.kernels.activation import silu_and_mul
         from rooflm.kernels.rmsnorm import rms_norm
 
         res = torch.randn(1, producer.out_features, dtype=x.dtype, device=x.device)
@@ -366,6 +374,8 @@ def pick_handoff_packed(x: torch.Tensor, producer, producer_bias: torch.Tensor |
 
         def unfused(w):
             h, _ = rms_norm(word_gemv(x, w[0], producer_bias, first), nw, eps, res)
+            if silu_mul and isinstance(then, MmaGemvConfig):
+                return silu_and_mul(word_gemv(h, w[1], consumer_bias, then))
             return (gemv_silu_mul(h, w[1], consumer_bias, then) if silu_mul
                     else word_gemv(h, w[1], consumer_bias, then))
 

@@ -43,8 +43,9 @@ import triton.language as tl
 
 from rooflm.kernels._tl import (add_sumsq_inputs, add_sumsq_store, gdc_wait, pdl_edges, pdl_launch, pdl_trigger_late,
                                 rstd_of_partials, sumsq_partials)
-from rooflm.kernels._utils import device_sms, interpreting, packed_copies  # noqa: F401 (part of this API)
+from rooflm.kernels._utils import check_tiles, device_sms, interpreting, packed_copies  # noqa: F401 (this API)
 from rooflm.kernels.gemv import _silu_mul_pairs, _splitk_reduce_kernel
+from rooflm.kernels.quant_gemv_mma import MmaGemvConfig, launch_mma_gemv, mma_candidates
 from rooflm.kernels.quant_gemv_ptx import _halves, _w4_f16x2, _w8_f16x2
 from rooflm.quantization.packed import PackedWeight
 
@@ -253,12 +254,7 @@ class QuantGemvConfig:
     pair: bool = False  # with asm: two words' products summed in float16x2 before one conversion (_W4_DOT16_ASM)
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "words"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"{name}={v} must be a power of two")
-        if self.split_k < 1:
-            raise ValueError(f"split_k={self.split_k} must be >= 1")
+        check_tiles(self, ("block_n", "words"))
 
 
 def gemv_words(pw: PackedWeight) -> torch.Tensor | None:
@@ -301,8 +297,8 @@ def supports(x: torch.Tensor, pw: PackedWeight) -> bool:
 # four warps) won at 4 bits and the general kernel matched the word GEMV at 8 bits; on an H200, 16 rows of 256 bytes
 # on two warps with the next tile's words loaded ahead (``prefetch``) was 9-11% faster on qkv and gate_up at 4 bits,
 # and the word GEMV 5-8% faster than the general kernel at 8 bits (then 20-25% more with its float16x2 form, and a
-# few percent more on some shapes with ``pair``). ``ROOFLM_QUANT_GEMV=default`` keeps the static
-# choice (the word GEMV with ``default_gemv_config`` at 4 bits, the general kernel at 8).
+# few percent more on some shapes with ``pair``). ``ROOFLM_QUANT_GEMV=default`` keeps the static choice (the word
+# GEMV with ``default_gemv_config`` at 4 bits, the general kernel at 8). The tensor-core GEMV joins where ``pw.mma``.
 _gemv_picked: dict[tuple, "QuantGemvConfig | None"] = {}
 
 
@@ -327,15 +323,16 @@ def gemv_candidates(n: int, k: int, bits: int, group_size: int, sms: int) -> lis
     return [c for c in out if c is None or tile_groups(c.words, k, bits, group_size) is not None]
 
 
-def pick_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> "QuantGemvConfig | None":
-    """The word-GEMV configuration ``quant_linear`` runs one row of x with, or None for the general kernel
-    (``supports(x, pw)`` must hold). Timed once per shape on CUDA (see above); elsewhere, inside a CUDA-graph
-    capture, and with ``ROOFLM_QUANT_GEMV=default`` the static choice."""
+def pick_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None):
+    """The configuration ``quant_linear`` runs one row of x with: the word GEMV's, the tensor-core GEMV's
+    (``MmaGemvConfig``, where ``pw.mma`` is set) or None for the general kernel (``supports(x, pw)`` must hold).
+    Timed once per shape on CUDA (see above); elsewhere, inside a CUDA-graph capture, and with
+    ``ROOFLM_QUANT_GEMV=default`` the static choice."""
     N, K = pw.out_features, pw.in_features
-    key = (N, K, pw.bits, pw.group_size, pw.mins is not None, bias is not None, x.dtype, x.device)
+    key = (N, K, pw.bits, pw.group_size, pw.mins is not None, pw.mma is not None, bias is not None, x.dtype, x.device)
     if key in _gemv_picked:
         return _gemv_picked[key]
-    cands = gemv_candidates(N, K, pw.bits, pw.group_size, device_sms(x))
+    cands = gemv_candidates(N, K, pw.bits, pw.group_size, device_sms(x)) + mma_candidates(x, pw)
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     mode = os.environ.get("ROOFLM_QUANT_GEMV", "auto")
     if mode not in ("auto", "default"):
@@ -453,6 +450,8 @@ def launch_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
     with h = out + residual written to h and sum(h^2) per ``cfg.block_n`` rows to sumsq; ``rstd_sumsq`` (partial
     sums of squares of the row x was made from) scales the sums by 1/rms. ``pdl_*``: as in ``gemv.launch_gemv``
     (the first tile preloaded where K is whole tiles)."""
+    if isinstance(cfg, MmaGemvConfig):  # the tensor-core GEMV (rooflm/kernels/quant_gemv_mma.py): plain launches
+        return launch_mma_gemv(x, pw, bias, cfg, pdl_trigger, pdl_wait, (silu_mul, add_sumsq, rstd_sumsq))
     N, K = pw.out_features, pw.in_features
     if silu_mul and (N % 2 or cfg is None or cfg.block_n < 2):
         raise ValueError(f"silu_mul needs an even number of rows ([gate | up]; got {N}) and a configuration of at "

@@ -204,6 +204,9 @@ class QuantizableMixin:
         """The function ``forward`` runs for a quantized weight on implementation ``impl``."""
         if self.quant == "packed":
             if impl == TRITON:
+                from rooflm.kernels.quant_gemv_mma import with_mma
+
+                self._packed = with_mma(self._packed)  # the tensor-core GEMV's copy of the codes, where it may run
                 return _packed_cuda
             if impl == CPU and self._packed.qweight.device.type == "cpu":
                 self._cpu_weight = prepare_cpu(self._packed)  # torch's CPU kernel layout, made once

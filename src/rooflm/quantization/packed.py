@@ -40,6 +40,9 @@ class PackedWeight:
     bits: int
     group_size: int
     perm: torch.Tensor | None = None
+    # The same codes in the tensor-core GEMV's order (rooflm/kernels/quant_gemv_mma.py ``pack_mma``), or None: made
+    # once where that kernel may run (CUDA, float16, 4 bits), a second copy of the codes beside ``qweight``.
+    mma: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -86,7 +89,7 @@ class PackedWeight:
             return t.to(device=device, dtype=dtype if cast and dtype is not None else t.dtype)
 
         return replace(self, qweight=mv(self.qweight, False), scales=mv(self.scales, True), mins=mv(self.mins, True),
-                       perm=mv(self.perm, False))
+                       perm=mv(self.perm, False), mma=mv(self.mma, False))
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -131,7 +134,7 @@ def to_bits8(pw: PackedWeight) -> PackedWeight:
         return pw
     q = (unpack_int4(pw.qweight).to(torch.int16) - 8).to(torch.int8)
     mins = pw.scales * 8 if pw.mins is None else pw.mins + pw.scales * 8
-    return replace(pw, qweight=q, mins=mins, bits=8)
+    return replace(pw, qweight=q, mins=mins, bits=8, mma=None)
 
 
 def with_group_size(pw: PackedWeight, group_size: int) -> PackedWeight:
