@@ -286,9 +286,10 @@ def unpack_mma(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def default_mma_config(n: int, k: int) -> MmaGemvConfig:
     """Four blocks of 16 rows a program (a warp each), the next group's codes loaded ahead, and K split until the
-    grid holds about 4,000 warps (30 a multiprocessor on 132): a warp's groups run one after another (load, eight
-    dependent mmas), so the stream needs many warps. Measured on an H100 over Llama-2-7B's projections (the fastest
-    splits: qkv 4, gate_up 8, o and down 16; one warp a block in every case)."""
+    grid holds about 4,000 warps (31 a multiprocessor on 132): a warp's groups run one after another (its loads,
+    then two chains of four dependent mmas), so the stream needs many warps. From an H100 over Llama-2-7B's
+    projections, where the fastest splits were qkv 4, gate_up 8, o and down 16 (this rule gives 5, 3, 16, 16;
+    ``mma_candidates`` also times twice and half the split)."""
     blocks = n // 16
     split = max(1, min(k // 512, round(4096 / blocks)))
     return MmaGemvConfig(4, split, True)
