@@ -20,10 +20,10 @@ def _tensor_core_layout_on(monkeypatch):
 
 
 def _check(pw, cfg, bias, seed=0):
-    from rooflm.kernels.quant_gemv_mma import launch_mma_gemv, with_mma
+    """``pw`` carries its tensor-core layout (``with_mma``)."""
+    from rooflm.kernels.quant_gemv_mma import launch_mma_gemv
     from rooflm.quantization.packed import quant_linear_reference
 
-    pw = with_mma(pw)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, pw.in_features, generator=g).half().cuda()
     b = torch.randn(pw.out_features, generator=g).half().cuda() if bias else None
@@ -47,7 +47,10 @@ def _configs():
                                             (512, 1536, 256, False), (256, 2048, 2048, True)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_mma_gemv_matches_the_reference(n, k, group, mins, bias):
-    pw = make_packed(n, k, 4, group, mins=mins, perm=False, dtype=torch.float16, device="cuda")
+    from rooflm.kernels.quant_gemv_mma import with_mma
+
+    pw = with_mma(make_packed(n, k, 4, group, mins=mins, perm=False, dtype=torch.float16, device="cuda"))
+    assert pw.mma is not None
     for cfg in _configs():
         _check(pw, cfg, bias)
 
