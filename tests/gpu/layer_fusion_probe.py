@@ -20,13 +20,12 @@ itself is far from the bytes, no fusion can help.
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 import triton
 import triton.language as tl
 
 from gemv_chain_bench import read_stream, time_graph  # this script's folder is first on sys.path when it runs
+from stream_size_probe import LAYER_BYTES, probe_args
 
 
 @triton.jit
@@ -71,14 +70,9 @@ def phased_read(x: torch.Tensor, bounds: torch.Tensor, cnt: torch.Tensor, out: t
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--layers", type=int, default=32)
-    args = ap.parse_args()
+    args = probe_args()
     dev = torch.device("cuda")
-    # bytes of each W4A16 kernel of a Llama-2-7B layer, in the step's order, as int32 words
-    sizes = {"qkv": 26.74e6, "attention": 16.8e6, "o": 8.91e6, "gate_up": 47.91e6, "down": 23.95e6}
-    words = [int(v) // 4 // 1024 * 1024 for v in sizes.values()]
+    words = [int(v) // 4 // 1024 * 1024 for v in LAYER_BYTES.values()]  # each kernel's bytes as int32 words
     edges = [0]
     for w in words:
         edges.append(edges[-1] + w)
