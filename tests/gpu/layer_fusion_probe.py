@@ -3,15 +3,15 @@
 A W4A16 Llama-2-7B layer at batch 1 is five read-bound kernels (qkv, decode attention over 1024 tokens, o, gate_up,
 down) of 9-48 MB each, and each took 4-7 us more than its bytes on an H100. This probe reads the same bytes (one
 buffer a layer, the five kernels' bytes as consecutive slices of it, 32 layers so that the chain holds many L2s) in
-four ways, each replayed from one CUDA graph:
+five ways, each replayed from one CUDA graph:
 
 * ``five kernels``: one plain read-stream launch a slice (the kernel boundaries of today's step);
 * ``one kernel``: one launch reading the whole layer (no boundary at all: the floor);
-* ``one kernel, 4 grid barriers``: one persistent launch (every program resident) that reads the slices in order and
-  waits between them until all programs are done with the slice (an atomic counter), as a kernel that did a whole
-  layer's dependent steps would have to;
-* ``... first loads before each barrier``: the same, with each program's first tile of the next slice loaded before
-  it waits (weights never depend on the step before; only the activations do).
+* ``persistent, no barrier``: one launch of one to four programs a multiprocessor, each striding over the slices;
+* ``persistent, 4 grid barriers``: the same, every program waiting after each slice until all are done with it (an
+  atomic counter), as a kernel that did a whole layer's dependent steps would have to;
+* ``..., first loads before each``: the same, with each program's first tile of the next slice loaded before it
+  waits (weights never depend on the step before; only the activations do).
 
 If the barriers cost much less than the kernel boundaries, a persistent layer kernel is worth building; if the floor
 itself is far from the bytes, no fusion can help.
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from gemv_chain_bench import read_stream, time_graph  # this script's folder is first on sys.path when it runs
-from stream_size_probe import LAYER_BYTES, probe_args
+from stream_size_probe import LAYER_BYTES, probe_args, read_rate
 
 
 @triton.jit
@@ -82,9 +82,7 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     out = torch.empty(1 << 20, dtype=torch.float32, device=dev)
     cnt = torch.zeros(args.layers, dtype=torch.int32, device=dev)
-    big = torch.randint(0, 1 << 10, (512 << 20,), dtype=torch.int32, device=dev)
-    rate = big.numel() * 4 / time_graph(lambda: read_stream(big, out, 2048, 8), args.reps) / 1e6  # GB/s
-    del big
+    rate = read_rate(out)
     print(f"{torch.cuda.get_device_name()} ({sms} SMs): one 2 GiB read {rate:.0f} GB/s; a layer {total / 1e6:.1f} MB, "
           f"its bytes at that rate {total / rate / 1e3:.2f} us")
 

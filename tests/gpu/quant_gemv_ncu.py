@@ -1,6 +1,6 @@
 """The 4-bit word GEMV under Nsight Compute: where do its programs wait?
 
-A plain read of the codes in the word GEMV's tiles runs about 1.4x faster than the GEMV itself on the same bytes
+A plain read of the codes in the word GEMV's tiles runs 1.4-1.7x faster than the GEMV itself on the same bytes
 (docs/benchmarks.md, "Where a 4-bit decode step's time goes"), and neither a register-prefetched nor a software-
 pipelined main loop, nor the tensor-core form with half the instructions a code, closed that gap. This script
 launches, once each inside the NVTX range "prof" (tuning and compilation happen before it): the word GEMV on qkv
