@@ -46,114 +46,8 @@ from rooflm.kernels._tl import (add_sumsq_inputs, add_sumsq_store, gdc_wait, pdl
 from rooflm.kernels._utils import check_tiles, device_sms, interpreting, packed_copies  # noqa: F401 (this API)
 from rooflm.kernels.gemv import _silu_mul_pairs, _splitk_reduce_kernel
 from rooflm.kernels.quant_gemv_mma import MmaGemvConfig, launch_mma_gemv, mma_candidates
-from rooflm.kernels.quant_gemv_ptx import _halves, _w4_f16x2, _w8_f16x2
+from rooflm.kernels.quant_gemv_tile import _accumulate, _params, _products, _words, _xw
 from rooflm.quantization.packed import PackedWeight
-
-
-@triton.jit
-def _code(u, SHIFT: tl.constexpr, MASK: tl.constexpr, BIAS: tl.constexpr):
-    """(code at bits SHIFT.. of the int32 words ``u``) * 2**SHIFT - BIAS * 2**SHIFT as float32, exact."""
-    return ((u & (MASK << SHIFT)) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + BIAS * (1 << SHIFT))
-
-
-@triton.jit
-def _xcol(x_ptr, cols, i: tl.constexpr, PER: tl.constexpr, SCALE: tl.constexpr, EVEN_K: tl.constexpr, K):
-    """x at code i of each word (columns ``cols * PER + i``) in float32, times SCALE."""
-    if EVEN_K:
-        v = tl.load(x_ptr + cols * PER + i).to(tl.float32)
-    else:
-        v = tl.load(x_ptr + cols * PER + i, mask=cols * PER + i < K, other=0.0).to(tl.float32)
-    return v * SCALE
-
-
-@triton.jit
-def _group_params(p_ptr, offs_n, mask_n, stride_sn, g, g_end, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
-    """Scales (or mins) of rows ``offs_n`` at groups ``g`` (those from ``g_end`` on lie past K): [BLOCK_N, GROUPS]
-    float32, 0 where masked (a masked code is 0, and 0 times a stray value could be NaN)."""
-    ptr = p_ptr + offs_n[:, None] * stride_sn + g[None, :]
-    if EVEN_N and EVEN_K:
-        v = tl.load(ptr)
-    elif EVEN_K:
-        v = tl.load(ptr, mask=mask_n[:, None], other=0.0)
-    else:
-        v = tl.load(ptr, mask=mask_n[:, None] & (g < g_end)[None, :], other=0.0)
-    return v.to(tl.float32)
-
-
-@triton.jit
-def _words(rows, mask_n, wtile, k0, k_hi, PER: tl.constexpr, EVEN_N: tl.constexpr, MASK_K: tl.constexpr):
-    """The [BLOCK_N, GROUPS, GROUP_WORDS] int32 words of the tile after column k0 (masked at k_hi if MASK_K)."""
-    cols = k0 // PER + wtile  # word index along the row
-    if MASK_K:
-        u = tl.load(rows + cols[None, :, :], mask=mask_n[:, None, None] & (cols * PER < k_hi)[None, :, :], other=0)
-    elif EVEN_N:
-        u = tl.load(rows + cols[None, :, :])
-    else:
-        u = tl.load(rows + cols[None, :, :], mask=mask_n[:, None, None], other=0)
-    return u
-
-
-@triton.jit
-def _tile(acc, u, x_ptr, xw_ptr, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile, k0, k_hi, GROUP, stride_sn,
-          BITS: tl.constexpr, HAS_MIN: tl.constexpr, EVEN_N: tl.constexpr, MASK_K: tl.constexpr, ASM: tl.constexpr,
-          PAIR: tl.constexpr,
-          BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP_WORDS: tl.constexpr):
-    """acc + one tile's products: the codes ``u`` (``_words``) of the words ``wtile`` after column k0."""
-    PER: tl.constexpr = 32 // BITS  # codes per word
-    EVEN: tl.constexpr = not MASK_K
-    cols = k0 // PER + wtile  # word index along the row
-    if BITS == 4 and ASM:
-        p, xs = _w4_f16x2(u, xw_ptr, cols, k_hi, MASK_K, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
-    elif ASM:  # 8 bits
-        p = _w8_f16x2(u, xw_ptr, cols, k_hi, MASK_K, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
-        if HAS_MIN:
-            xs = (_xcol(x_ptr, cols, 0, PER, 1.0, EVEN, k_hi) + _xcol(x_ptr, cols, 1, PER, 1.0, EVEN, k_hi)
-                  + _xcol(x_ptr, cols, 2, PER, 1.0, EVEN, k_hi) + _xcol(x_ptr, cols, 3, PER, 1.0, EVEN, k_hi))
-            if PAIR:
-                xs0, xs1 = _halves(xs, (GROUPS, GROUP_WORDS // 2))
-                xs = xs0 + xs1
-        else:
-            xs = 0.0  # unused
-    elif BITS == 4:
-        x0 = _xcol(x_ptr, cols, 0, PER, 1.0, EVEN, k_hi)
-        x1 = _xcol(x_ptr, cols, 1, PER, 0.0625, EVEN, k_hi)
-        x2 = _xcol(x_ptr, cols, 2, PER, 0.00390625, EVEN, k_hi)
-        x3 = _xcol(x_ptr, cols, 3, PER, 0.000244140625, EVEN, k_hi)
-        x4 = _xcol(x_ptr, cols, 4, PER, 0.0000152587890625, EVEN, k_hi)
-        x5 = _xcol(x_ptr, cols, 5, PER, 1.0, EVEN, k_hi)
-        x6 = _xcol(x_ptr, cols, 6, PER, 0.0625, EVEN, k_hi)
-        x7 = _xcol(x_ptr, cols, 7, PER, 0.00390625, EVEN, k_hi)
-        hi = (u.to(tl.uint32, bitcast=True) >> 20).to(tl.int32, bitcast=True)
-        p = _code(u, 0, 0xF, 0.0) * x0[None]
-        p += _code(u, 4, 0xF, 0.0) * x1[None]
-        p += _code(u, 8, 0xF, 0.0) * x2[None]
-        p += _code(u, 12, 0xF, 0.0) * x3[None]
-        p += _code(u, 16, 0xF, 0.0) * x4[None]
-        p += _code(hi, 0, 0xF, 0.0) * x5[None]
-        p += _code(hi, 4, 0xF, 0.0) * x6[None]
-        p += _code(hi, 8, 0xF, 0.0) * x7[None]
-        xs = x0 + x1 * 16.0 + x2 * 256.0 + x3 * 4096.0 + x4 * 65536.0 + x5 + x6 * 16.0 + x7 * 256.0
-    else:  # signed bytes: XOR 0x80 makes each byte q + 128, the FADD takes the 128 off
-        x0 = _xcol(x_ptr, cols, 0, PER, 1.0, EVEN, k_hi)
-        x1 = _xcol(x_ptr, cols, 1, PER, 0.00390625, EVEN, k_hi)
-        x2 = _xcol(x_ptr, cols, 2, PER, 1.0, EVEN, k_hi)
-        x3 = _xcol(x_ptr, cols, 3, PER, 0.00390625, EVEN, k_hi)
-        ub = u ^ -2139062144  # 0x80808080 as int32
-        hi = (ub.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
-        p = _code(ub, 0, 0xFF, 128.0) * x0[None]
-        p += _code(ub, 8, 0xFF, 128.0) * x1[None]
-        p += _code(hi, 0, 0xFF, 128.0) * x2[None]
-        p += _code(hi, 8, 0xFF, 128.0) * x3[None]
-        xs = x0 + x1 * 256.0 + x2 + x3 * 256.0
-    g = k0 // GROUP + offs_g
-    g_end = tl.cdiv(k_hi, GROUP)
-    sc = _group_params(s_ptr, offs_n, mask_n, stride_sn, g, g_end, EVEN_N, EVEN)
-    if ASM:  # the products were formed with x / 16 (4 bits, see _W4_DOT8_ASM) or x / 128 (8 bits, _W8_DOT4_ASM)
-        sc = sc * (128.0 if BITS == 8 else 32.0 if PAIR else 16.0)
-    acc += p * sc[:, :, None]
-    if HAS_MIN:
-        acc += _group_params(m_ptr, offs_n, mask_n, stride_sn, g, g_end, EVEN_N, EVEN)[:, :, None] * xs[None]
-    return acc
 
 
 @triton.jit
@@ -199,30 +93,49 @@ def _quant_gemv_kernel(
     ss_parts = 0.0
     if RSTD:
         ss_parts = sumsq_partials(ss_ptr, n_ss, SS_BLOCK)
-    if PREFETCH:  # the next tile's words are loaded before this tile's products: two tiles in flight
+    if PREFETCH:  # the next tile's words, x pairs, scales and mins are loaded before this tile's products
         if not PRELOAD:
             u = _words(rows, mask_n, wtile, k_lo, k_hi, PER, EVEN_N, True)  # masked: K may hold no whole tile
+        xq = _xw(xw_ptr, wtile, k_lo, k_hi, BITS, True, ASM)
+        sc, mn = _params(s_ptr, m_ptr, offs_n, mask_n, offs_g, k_lo, k_hi, GROUP, stride_sn, HAS_MIN, EVEN_N, True)
         last = tl.maximum(k_full - TILE, k_lo)
         for k0 in range(k_lo, k_full, TILE):
-            u_next = _words(rows, mask_n, wtile, tl.minimum(k0 + TILE, last), k_hi, PER, EVEN_N, False)
-            acc = _tile(acc, u, x_ptr, xw_ptr, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile, k0, k_hi, GROUP,
-                        stride_sn, BITS, HAS_MIN, EVEN_N, False, ASM, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
+            k_next = tl.minimum(k0 + TILE, last)
+            u_next = _words(rows, mask_n, wtile, k_next, k_hi, PER, EVEN_N, False)
+            xq_next = _xw(xw_ptr, wtile, k_next, k_hi, BITS, False, ASM)
+            sc_next, mn_next = _params(s_ptr, m_ptr, offs_n, mask_n, offs_g, k_next, k_hi, GROUP, stride_sn,
+                                       HAS_MIN, EVEN_N, False)
+            p, xs = _products(u, xq, x_ptr, wtile, k0, k_hi, BITS, HAS_MIN, False, ASM, PAIR, BLOCK_N, GROUPS,
+                              GROUP_WORDS)
+            acc = _accumulate(acc, p, xs, sc, mn, BITS, HAS_MIN, ASM, PAIR)
             u = u_next
-    else:
+            xq = xq_next
+            sc = sc_next
+            mn = mn_next
+    else:  # each tile's scales and mins are loaded after its products: measured faster here than before them
         k_start = k_lo
         if PRELOAD:  # the first iteration, in its order
-            acc = _tile(acc, u, x_ptr, xw_ptr, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile, k_lo, k_hi, GROUP,
-                        stride_sn, BITS, HAS_MIN, EVEN_N, False, ASM, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
+            p, xs = _products(u, _xw(xw_ptr, wtile, k_lo, k_hi, BITS, False, ASM), x_ptr, wtile, k_lo, k_hi, BITS,
+                              HAS_MIN, False, ASM, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
+            sc, mn = _params(s_ptr, m_ptr, offs_n, mask_n, offs_g, k_lo, k_hi, GROUP, stride_sn, HAS_MIN, EVEN_N,
+                             False)
+            acc = _accumulate(acc, p, xs, sc, mn, BITS, HAS_MIN, ASM, PAIR)
             k_start = k_lo + TILE
         for k0 in range(k_start, k_full, TILE):
             u = _words(rows, mask_n, wtile, k0, k_hi, PER, EVEN_N, False)
-            acc = _tile(acc, u, x_ptr, xw_ptr, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile, k0, k_hi, GROUP,
-                        stride_sn, BITS, HAS_MIN, EVEN_N, False, ASM, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
+            p, xs = _products(u, _xw(xw_ptr, wtile, k0, k_hi, BITS, False, ASM), x_ptr, wtile, k0, k_hi, BITS,
+                              HAS_MIN, False, ASM, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
+            sc, mn = _params(s_ptr, m_ptr, offs_n, mask_n, offs_g, k0, k_hi, GROUP, stride_sn, HAS_MIN, EVEN_N,
+                             False)
+            acc = _accumulate(acc, p, xs, sc, mn, BITS, HAS_MIN, ASM, PAIR)
     if not EVEN_K:
         if k_full < k_hi:
             u = _words(rows, mask_n, wtile, k_full, k_hi, PER, EVEN_N, True)
-            acc = _tile(acc, u, x_ptr, xw_ptr, s_ptr, m_ptr, offs_n, mask_n, offs_g, wtile, k_full, k_hi, GROUP,
-                        stride_sn, BITS, HAS_MIN, EVEN_N, True, ASM, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
+            p, xs = _products(u, _xw(xw_ptr, wtile, k_full, k_hi, BITS, True, ASM), x_ptr, wtile, k_full, k_hi,
+                              BITS, HAS_MIN, True, ASM, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
+            sc, mn = _params(s_ptr, m_ptr, offs_n, mask_n, offs_g, k_full, k_hi, GROUP, stride_sn, HAS_MIN, EVEN_N,
+                             True)
+            acc = _accumulate(acc, p, xs, sc, mn, BITS, HAS_MIN, ASM, PAIR)
     pdl_trigger_late(TRIGGER)
     res = tl.sum(tl.sum(acc, 2), 1)
     if RSTD:  # the consumer of rooflm/kernels/handoff_gemv.py: x is h * norm_weight, the sums times 1/rms(h)
@@ -250,7 +163,7 @@ class QuantGemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     asm: bool = True  # float16 x on CUDA: products in float16x2 PTX (see _W4_DOT8_ASM and _W8_DOT4_ASM)
-    prefetch: bool = False  # load tile i + 1's words before tile i's products (registers double-buffered)
+    prefetch: bool = False  # tile i + 1's words, x pairs, scales and mins loaded before tile i's products
     pair: bool = False  # with asm: two words' products summed in float16x2 before one conversion (_W4_DOT16_ASM)
 
     def __post_init__(self) -> None:
@@ -316,10 +229,11 @@ def gemv_candidates(n: int, k: int, bits: int, group_size: int, sms: int) -> lis
             out += [QuantGemvConfig(16, 64, 4, 2, 3, prefetch=True), QuantGemvConfig(32, 64, 4, 4, 3, pair=True)]
     else:
         out = [None, QuantGemvConfig(8, 128, 1, 2, 3), QuantGemvConfig(16, 128, 1, 4, 3),
-               QuantGemvConfig(16, 128, 1, 4, 3, pair=True)]
+               QuantGemvConfig(16, 128, 1, 4, 3, pair=True), QuantGemvConfig(16, 64, 1, 2, 3, prefetch=True),
+               QuantGemvConfig(16, 128, 1, 4, 3, prefetch=True)]
         if split:
             out += [QuantGemvConfig(16, 128, 4, 2, 3), QuantGemvConfig(32, 128, 4, 4, 3),
-                    QuantGemvConfig(32, 128, 4, 4, 3, pair=True)]
+                    QuantGemvConfig(32, 128, 4, 4, 3, pair=True), QuantGemvConfig(16, 64, 4, 2, 3, prefetch=True)]
     return [c for c in out if c is None or tile_groups(c.words, k, bits, group_size) is not None]
 
 
