@@ -46,7 +46,7 @@ from rooflm.kernels._tl import (add_sumsq_inputs, add_sumsq_store, gdc_wait, pdl
 from rooflm.kernels._utils import check_tiles, device_sms, interpreting, packed_copies  # noqa: F401 (this API)
 from rooflm.kernels.gemv import _silu_mul_pairs, _splitk_reduce_kernel
 from rooflm.kernels.quant_gemv_mma import MmaGemvConfig, launch_mma_gemv, mma_candidates
-from rooflm.kernels.quant_gemv_tile import _accumulate, _params, _products, _words, _xw
+from rooflm.kernels.quant_gemv_tile import _accumulate, _accumulate_late, _params, _products, _words, _xw
 from rooflm.quantization.packed import PackedWeight
 
 
@@ -93,18 +93,18 @@ def _quant_gemv_kernel(
     ss_parts = 0.0
     if RSTD:
         ss_parts = sumsq_partials(ss_ptr, n_ss, SS_BLOCK)
-    if PREFETCH:  # the next tile's words, x pairs, scales and mins are loaded before this tile's products
+    if PREFETCH:  # the next tile's words, scales, mins and x pairs are loaded before this tile's products
         if not PRELOAD:
             u = _words(rows, mask_n, wtile, k_lo, k_hi, PER, EVEN_N, True)  # masked: K may hold no whole tile
-        xq = _xw(xw_ptr, wtile, k_lo, k_hi, BITS, True, ASM)
         sc, mn = _params(s_ptr, m_ptr, offs_n, mask_n, offs_g, k_lo, k_hi, GROUP, stride_sn, HAS_MIN, EVEN_N, True)
+        xq = _xw(xw_ptr, wtile, k_lo, k_hi, BITS, True, ASM)
         last = tl.maximum(k_full - TILE, k_lo)
         for k0 in range(k_lo, k_full, TILE):
             k_next = tl.minimum(k0 + TILE, last)
             u_next = _words(rows, mask_n, wtile, k_next, k_hi, PER, EVEN_N, False)
-            xq_next = _xw(xw_ptr, wtile, k_next, k_hi, BITS, False, ASM)
             sc_next, mn_next = _params(s_ptr, m_ptr, offs_n, mask_n, offs_g, k_next, k_hi, GROUP, stride_sn,
                                        HAS_MIN, EVEN_N, False)
+            xq_next = _xw(xw_ptr, wtile, k_next, k_hi, BITS, False, ASM)
             p, xs = _products(u, xq, x_ptr, wtile, k0, k_hi, BITS, HAS_MIN, False, ASM, PAIR, BLOCK_N, GROUPS,
                               GROUP_WORDS)
             acc = _accumulate(acc, p, xs, sc, mn, BITS, HAS_MIN, ASM, PAIR)
@@ -112,30 +112,33 @@ def _quant_gemv_kernel(
             xq = xq_next
             sc = sc_next
             mn = mn_next
-    else:  # each tile's scales and mins are loaded after its products: measured faster here than before them
+    else:
         k_start = k_lo
         if PRELOAD:  # the first iteration, in its order
             p, xs = _products(u, _xw(xw_ptr, wtile, k_lo, k_hi, BITS, False, ASM), x_ptr, wtile, k_lo, k_hi, BITS,
                               HAS_MIN, False, ASM, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
-            sc, mn = _params(s_ptr, m_ptr, offs_n, mask_n, offs_g, k_lo, k_hi, GROUP, stride_sn, HAS_MIN, EVEN_N,
-                             False)
-            acc = _accumulate(acc, p, xs, sc, mn, BITS, HAS_MIN, ASM, PAIR)
+            acc = _accumulate_late(acc, p, xs, s_ptr, m_ptr, offs_n, mask_n, offs_g, k_lo, k_hi, GROUP, stride_sn,
+                                   BITS, HAS_MIN, EVEN_N, False, ASM, PAIR)
             k_start = k_lo + TILE
         for k0 in range(k_start, k_full, TILE):
             u = _words(rows, mask_n, wtile, k0, k_hi, PER, EVEN_N, False)
             p, xs = _products(u, _xw(xw_ptr, wtile, k0, k_hi, BITS, False, ASM), x_ptr, wtile, k0, k_hi, BITS,
                               HAS_MIN, False, ASM, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
-            sc, mn = _params(s_ptr, m_ptr, offs_n, mask_n, offs_g, k0, k_hi, GROUP, stride_sn, HAS_MIN, EVEN_N,
-                             False)
-            acc = _accumulate(acc, p, xs, sc, mn, BITS, HAS_MIN, ASM, PAIR)
+            acc = _accumulate_late(acc, p, xs, s_ptr, m_ptr, offs_n, mask_n, offs_g, k0, k_hi, GROUP, stride_sn,
+                                   BITS, HAS_MIN, EVEN_N, False, ASM, PAIR)
     if not EVEN_K:
-        if k_full < k_hi:
+        if k_full < k_hi:  # the tile that runs past K, masked, in the order of its loop
             u = _words(rows, mask_n, wtile, k_full, k_hi, PER, EVEN_N, True)
+            if PREFETCH:
+                sc, mn = _params(s_ptr, m_ptr, offs_n, mask_n, offs_g, k_full, k_hi, GROUP, stride_sn, HAS_MIN,
+                                 EVEN_N, True)
             p, xs = _products(u, _xw(xw_ptr, wtile, k_full, k_hi, BITS, True, ASM), x_ptr, wtile, k_full, k_hi,
                               BITS, HAS_MIN, True, ASM, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
-            sc, mn = _params(s_ptr, m_ptr, offs_n, mask_n, offs_g, k_full, k_hi, GROUP, stride_sn, HAS_MIN, EVEN_N,
-                             True)
-            acc = _accumulate(acc, p, xs, sc, mn, BITS, HAS_MIN, ASM, PAIR)
+            if PREFETCH:
+                acc = _accumulate(acc, p, xs, sc, mn, BITS, HAS_MIN, ASM, PAIR)
+            else:
+                acc = _accumulate_late(acc, p, xs, s_ptr, m_ptr, offs_n, mask_n, offs_g, k_full, k_hi, GROUP,
+                                       stride_sn, BITS, HAS_MIN, EVEN_N, True, ASM, PAIR)
     pdl_trigger_late(TRIGGER)
     res = tl.sum(tl.sum(acc, 2), 1)
     if RSTD:  # the consumer of rooflm/kernels/handoff_gemv.py: x is h * norm_weight, the sums times 1/rms(h)
@@ -229,11 +232,10 @@ def gemv_candidates(n: int, k: int, bits: int, group_size: int, sms: int) -> lis
             out += [QuantGemvConfig(16, 64, 4, 2, 3, prefetch=True), QuantGemvConfig(32, 64, 4, 4, 3, pair=True)]
     else:
         out = [None, QuantGemvConfig(8, 128, 1, 2, 3), QuantGemvConfig(16, 128, 1, 4, 3),
-               QuantGemvConfig(16, 128, 1, 4, 3, pair=True), QuantGemvConfig(16, 64, 1, 2, 3, prefetch=True),
-               QuantGemvConfig(16, 128, 1, 4, 3, prefetch=True)]
+               QuantGemvConfig(16, 128, 1, 4, 3, pair=True)]
         if split:
             out += [QuantGemvConfig(16, 128, 4, 2, 3), QuantGemvConfig(32, 128, 4, 4, 3),
-                    QuantGemvConfig(32, 128, 4, 4, 3, pair=True), QuantGemvConfig(16, 64, 4, 2, 3, prefetch=True)]
+                    QuantGemvConfig(32, 128, 4, 4, 3, pair=True)]
     return [c for c in out if c is None or tile_groups(c.words, k, bits, group_size) is not None]
 
 

@@ -93,6 +93,22 @@ def _accumulate(acc, p, xs, sc, mn, BITS: tl.constexpr, HAS_MIN: tl.constexpr, A
 
 
 @triton.jit
+def _accumulate_late(acc, p, xs, s_ptr, m_ptr, offs_n, mask_n, offs_g, k0, k_hi, GROUP, stride_sn,
+                     BITS: tl.constexpr, HAS_MIN: tl.constexpr, EVEN_N: tl.constexpr, MASK_K: tl.constexpr,
+                     ASM: tl.constexpr, PAIR: tl.constexpr):
+    """``_accumulate`` for a loop that does not prefetch: the scales loaded after the products and the mins after
+    the scaled products, the order that measured fastest there (on an H100, loading both before the products cost
+    6-18%)."""
+    g = k0 // GROUP + offs_g
+    g_end = tl.cdiv(k_hi, GROUP)
+    sc = _group_params(s_ptr, offs_n, mask_n, stride_sn, g, g_end, EVEN_N, not MASK_K)
+    acc = _accumulate(acc, p, xs, sc, sc, BITS, False, ASM, PAIR)
+    if HAS_MIN:
+        acc += _group_params(m_ptr, offs_n, mask_n, stride_sn, g, g_end, EVEN_N, not MASK_K)[:, :, None] * xs[None]
+    return acc
+
+
+@triton.jit
 def _products(u, xq, x_ptr, wtile, k0, k_hi,
               BITS: tl.constexpr, HAS_MIN: tl.constexpr, MASK_K: tl.constexpr, ASM: tl.constexpr,
               PAIR: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP_WORDS: tl.constexpr):

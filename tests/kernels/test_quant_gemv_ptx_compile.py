@@ -1,0 +1,46 @@
+"""The word GEMV's float16x2 PTX form compiles for Hopper (sm_90) in every loop shape it can be launched with.
+
+On the CPU the kernel tests run Triton's interpreter, which takes the float32 form and never reaches the inline PTX
+(rooflm/kernels/quant_gemv_ptx.py) or the prefetching loop's GPU lowering; this compiles them ahead of time with
+Triton's own ptxas, no GPU needed, so an error there fails on every machine, not only on one with a GPU. Run in a
+subprocess: the interpreter, once on, applies to every @triton.jit function of the process."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = r"""
+import itertools, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rooflm.kernels.quant_gemv import _quant_gemv_kernel as fn
+
+names = fn.arg_names
+done = 0
+for bits, prefetch, pair, even_k, has_min in itertools.product((4, 8), (False, True), (False, True), (True, False),
+                                                               (False, True)):
+    cons = dict(BITS=bits, HAS_MIN=has_min, HAS_BIAS=True, SPLIT=1, EVEN_N=False, EVEN_K=even_k, BLOCK_N=16,
+                GROUPS=1 if bits == 8 else 4, GROUP_WORDS=64 if bits == 8 else 16, ASM=True, PREFETCH=prefetch,
+                PAIR=pair, SILU_MUL=False, ADD_SUMSQ=False, RSTD=False, SS_BLOCK=1, TRIGGER=0, WAIT=False,
+                PRELOAD=False, r_ptr=None, nw_ptr=None, ro_ptr=None, ss_ptr=None)
+    sig = {n: "constexpr" if n in cons else "*fp16" if n in ("x_ptr", "s_ptr", "m_ptr", "b_ptr", "out_ptr")
+           else "*i32" if n in ("xw_ptr", "q_ptr") else "fp32" if n == "eps" else "i32" for n in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in cons.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2)).asm["ptx"]
+    what = f"bits={bits} prefetch={prefetch} pair={pair} even_k={even_k} mins={has_min}"
+    assert "fma.rn.f16x2" in ptx, f"{what}: no float16x2 products in the PTX"
+    assert "lop3.b32" in ptx or bits == 8, f"{what}: no nibble extraction in the PTX"
+    done += 1
+print("compiled", done)
+"""
+
+
+def test_word_gemv_ptx_form_compiles_for_sm90() -> None:
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "compiled 32" in run.stdout, run.stdout
