@@ -133,39 +133,10 @@ def _halves(v, SHAPE: tl.constexpr):
 
 
 @triton.jit
-def _x_words(xw_ptr, cols, k_hi, MASK_K: tl.constexpr, BITS: tl.constexpr):
-    """The float16 x pairs (as int32 words) a tile's words ``cols`` meet: four a word at 4 bits, two at 8 (the last
-    two returned are then the first two again, unused). Loaded apart from the products so that a prefetching loop
-    can issue them a tile ahead, with the codes."""
-    PAIRS: tl.constexpr = 4 if BITS == 4 else 2
-    xp = xw_ptr + cols * PAIRS
-    if MASK_K:
-        live = cols * (32 // BITS) < k_hi
-        p0 = tl.load(xp, mask=live, other=0)
-        p1 = tl.load(xp + 1, mask=live, other=0)
-        if BITS == 4:
-            p2 = tl.load(xp + 2, mask=live, other=0)
-            p3 = tl.load(xp + 3, mask=live, other=0)
-        else:
-            p2 = p0
-            p3 = p1
-    else:
-        p0 = tl.load(xp)
-        p1 = tl.load(xp + 1)
-        if BITS == 4:
-            p2 = tl.load(xp + 2)
-            p3 = tl.load(xp + 3)
-        else:
-            p2 = p0
-            p3 = p1
-    return p0, p1, p2, p3
-
-
-@triton.jit
 def _w8_f16x2(u, p0, p1, PAIR: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
               GROUP_WORDS: tl.constexpr):
     """Partial products (float32, q x / 128 summed over each word, or each pair of words with PAIR) of a tile of
-    8-bit words against their x pairs ``p0``, ``p1`` (``_x_words``; CUDA only)."""
+    8-bit words against their x pairs ``p0``, ``p1`` (``quant_gemv_tile._xw``; CUDA only)."""
     a, b = tl.inline_asm_elementwise(_X8_PAIRS_ASM, "=r,=r,r,r", [p0, p1], dtype=(tl.int32, tl.int32),
                                      is_pure=True, pack=1)
     if PAIR:
@@ -190,7 +161,8 @@ def _w8_f16x2(u, p0, p1, PAIR: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.c
 def _w4_f16x2(u, p0, p1, p2, p3, PAIR: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
               GROUP_WORDS: tl.constexpr):
     """Partial products (float32, q x / 16 summed over each word, or q x / 32 over each pair of words with PAIR)
-    and x sums of a tile of 4-bit words against their x pairs ``p0``..``p3`` (``_x_words``; CUDA only)."""
+    and x sums of a tile of 4-bit words against their x pairs ``p0``..``p3`` (``quant_gemv_tile._xw``; CUDA
+    only)."""
     if PAIR:
         a, b, c, d, xs = tl.inline_asm_elementwise(_X_PAIRS_ASM_HALVED, "=r,=r,=r,=r,=r,r,r,r,r", [p0, p1, p2, p3],
                                                    dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.float32),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rooflm.kernels.quant_gemv_ptx import _halves, _w4_f16x2, _w8_f16x2, _x_words
+from rooflm.kernels.quant_gemv_ptx import _halves, _w4_f16x2, _w8_f16x2
 
 
 @triton.jit
@@ -69,9 +69,32 @@ def _params(s_ptr, m_ptr, offs_n, mask_n, offs_g, k0, k_hi, GROUP, stride_sn, HA
 
 @triton.jit
 def _xw(xw_ptr, wtile, k0, k_hi, BITS: tl.constexpr, MASK_K: tl.constexpr, ASM: tl.constexpr):
-    """The tile's x pairs for the float16x2 form (``_x_words``); with ASM off, placeholders (x is read as floats)."""
+    """The float16 x pairs (as int32 words) that the tile's words meet in the float16x2 form: four a word at 4 bits,
+    two at 8 (the last two returned are then the first two again, unused); with ASM off, placeholders (x is then
+    read as floats by ``_products``)."""
     if ASM:
-        p0, p1, p2, p3 = _x_words(xw_ptr, k0 // (32 // BITS) + wtile, k_hi, MASK_K, BITS)
+        PAIRS: tl.constexpr = 4 if BITS == 4 else 2
+        cols = k0 // (32 // BITS) + wtile
+        xp = xw_ptr + cols * PAIRS
+        if MASK_K:
+            live = cols * (32 // BITS) < k_hi
+            p0 = tl.load(xp, mask=live, other=0)
+            p1 = tl.load(xp + 1, mask=live, other=0)
+            if BITS == 4:
+                p2 = tl.load(xp + 2, mask=live, other=0)
+                p3 = tl.load(xp + 3, mask=live, other=0)
+            else:
+                p2 = p0
+                p3 = p1
+        else:
+            p0 = tl.load(xp)
+            p1 = tl.load(xp + 1)
+            if BITS == 4:
+                p2 = tl.load(xp + 2)
+                p3 = tl.load(xp + 3)
+            else:
+                p2 = p0
+                p3 = p1
     else:
         p0 = 0
         p1 = 0
