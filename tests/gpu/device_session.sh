@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: run from the repository root as
 #   bash tests/gpu/device_session.sh STAGE...      (stages: info tests kbench latency1 latency32 prefill throughput
-#                                                   qlat fp8pre qtests kvlat qsweep offload newtests
+#                                                   qlat fp8pre qdepths qtests kvlat qsweep offload newtests
 #                                                   swap hostcopy kvoffload multiturn specasync mixtral2
 #                                                   verifygraphs medusagpu ropefuse)
 # JSON and profiles go to $OUT (or ./out), every stage's log is appended to $OUT/all.log (the device tool returns at
@@ -58,6 +58,8 @@ for stage in "$@"; do
               run "fp8pre_$q" 120 $PY -m rooflm.cli bench latency --model llama-2-7b --load-format dummy --batch-size 1 \
                 --input-len 2048 --output-len 2 --dtype float16 --num-iters 5 --quantization $q --json "$OUT/fp8pre_$q.json"
             done ;;
+    qdepths) TAIL=40 run qdepths 420 $PY tests/gpu/quant_gemv_sweep.py --formats w4g128,w8 --grid depths --top 3 \
+               --json "$OUT/qdepths.json" ;;
     qtests) TAIL=15 run qtests 200 $PY -m pytest tests/gpu/test_gpu_quant_gemm.py tests/gpu/test_gpu_kv_quant.py \
               tests/gpu/test_gpu_quant_fp8.py -q -rs -p no:cacheprovider ;;
     kvlat) for kv in auto int8 fp8; do

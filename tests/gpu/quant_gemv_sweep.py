@@ -8,7 +8,10 @@ the current tile's products), each replayed from a CUDA graph over weight copies
 and as a fraction of a read-only stream of 2 GiB measured in the same run.
 
     PYTHONPATH=src python3 tests/gpu/quant_gemv_sweep.py [--formats w4g128,w8] [--shapes qkv,o,gate_up,down,lm_head]
-        [--asm on|off|both] [--pair on|off|both] [--grid full|candidates]
+        [--asm on|off|both] [--pair on|off|both] [--grid full|candidates|depths]
+
+``--grid depths`` times each candidate ``pick_gemv`` times with its tiles loaded 0, 1 and 2 tiles ahead
+(``QuantGemvConfig.prefetch``), and reports the fastest at each depth.
 """
 from __future__ import annotations
 
@@ -62,8 +65,9 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", default=None)
-    p.add_argument("--grid", choices=("full", "candidates"), default="full",
-                   help="the whole grid, or only the configurations pick_gemv times (gemv_candidates)")
+    p.add_argument("--grid", choices=("full", "candidates", "depths"), default="full",
+                   help="the whole grid, only the configurations pick_gemv times (gemv_candidates), or those at "
+                        "each prefetch depth (0, 1, 2 tiles ahead)")
     p.add_argument("--asm", choices=("on", "off", "both"), default="on",
                    help="products in float16x2 PTX (on), in the float32 form (off), or each configuration both ways")
     p.add_argument("--pair", choices=("on", "off", "both"), default="off",
@@ -101,6 +105,8 @@ def main(argv=None) -> int:
             else:
                 cfgs = [replace(c, asm=a, pair=pr) for c in gemv_candidates(n, k, bits, pw.group_size, device_sms(x))
                         if c is not None for a in asm for pr in pair if a or not pr]
+                if args.grid == "depths":
+                    cfgs = list(dict.fromkeys(replace(c, prefetch=d) for c in cfgs for d in (0, 1, 2)))
             for cfg in cfgs:
                 if tile_groups(cfg.words, k, bits, pw.group_size) is None:
                     continue
@@ -123,6 +129,8 @@ def main(argv=None) -> int:
                              "rel_err": float(f"{e:.1e}")} for t, c, e in res[: args.top]],
                    "best_no_prefetch": next(({"cfg": str(c), "us": round(t * 1e3, 2)} for t, c, _ in res
                                              if not c.prefetch), None),
+                   "best_by_depth": {d: next(({"cfg": str(c), "us": round(t * 1e3, 2)} for t, c, _ in res
+                                              if int(c.prefetch) == d), None) for d in (0, 1, 2)},
                    "best_float32_form": next(({"cfg": str(c), "us": round(t * 1e3, 2)} for t, c, _ in res
                                               if not c.asm), None),
                    "best_one_word": next(({"cfg": str(c), "us": round(t * 1e3, 2)} for t, c, _ in res

@@ -34,7 +34,8 @@ def _configs():
             QuantGemvConfig(16, 128, 1), QuantGemvConfig(16, 4, 3, prefetch=True),
             QuantGemvConfig(8, 16, 1, prefetch=True), QuantGemvConfig(16, 128, 1, prefetch=True),
             QuantGemvConfig(16, 128, 1, pair=True), QuantGemvConfig(8, 16, 2, prefetch=True, pair=True),
-            QuantGemvConfig(16, 4, 3, pair=True)]
+            QuantGemvConfig(16, 4, 3, pair=True), QuantGemvConfig(16, 16, 1, prefetch=2),
+            QuantGemvConfig(8, 16, 3, prefetch=2, pair=True)]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -78,6 +79,33 @@ def test_word_gemv_large_activations(device, scale, bits):
     _gemv_check(pw, torch.float16, device, bias=False, scale=scale)
     _gemv_check(pw, torch.float16, device, bias=True, scale=scale, cfg=_configs()[3])
     _gemv_check(pw, torch.float16, device, bias=False, scale=scale, cfg=_configs()[8])  # eight products a half
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_prefetch_depths_agree_bit_for_bit(device, bits):
+    """Loading one or two tiles ahead changes only when the loads are issued, not the products or their order: the
+    same bits as the loop that does not prefetch, for K of one, two and three whole tiles (the loads past the last
+    tile repeat it), a ragged last tile, and K splits of one tile each; and each agrees with the float64 twin."""
+    from rooflm.kernels.quant_gemv import QuantGemvConfig, launch_gemv
+
+    words = 8 if bits == 4 else 16  # a tile is 64 columns; groups of 64 put one group in a tile
+    for k in (64, 128, 192, 224):
+        pw = make_packed(37, k, bits, 64 if k % 64 == 0 else k, mins=bits == 4, perm=False, dtype=torch.float16,
+                         device=device, seed=k)
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).to(torch.float16).to(device)
+        for split, pair in ((1, False), (3, True)):
+            outs = [launch_gemv(x, pw, None, QuantGemvConfig(16, words, split, 2, prefetch=d, pair=pair))
+                    for d in (0, 1, 2)]
+            what = f"bits={bits} K={k} split={split} pair={pair}"
+            assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), what
+        _gemv_check(pw, torch.float16, device, bias=True, cfg=QuantGemvConfig(16, words, 1, 2, prefetch=2), seed=k)
+
+
+def test_prefetch_depth_is_checked():
+    from rooflm.kernels.quant_gemv import QuantGemvConfig
+
+    with pytest.raises(ValueError, match="prefetch=3"):
+        QuantGemvConfig(16, 64, prefetch=3)
 
 
 def test_split_is_deterministic(device):

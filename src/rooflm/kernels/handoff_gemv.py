@@ -411,7 +411,7 @@ def _packed_variants(producer, consumer, silu_mul: bool, sms: int) -> list[tuple
 
 def _qshort(c) -> str:
     return (f"{c.block_n}x{c.words}w" + (f"/s{c.split_k}" if c.split_k > 1 else "") + f"/{c.num_warps}w"
-            + ("p" if c.prefetch else "") + ("2" if c.pair else ""))
+            + "p" * int(c.prefetch) + ("2" if c.pair else ""))
 
 
 def choices() -> dict[tuple, tuple[GemvConfig, GemvConfig] | None]:

@@ -93,14 +93,20 @@ def _quant_gemv_kernel(
     ss_parts = 0.0
     if RSTD:
         ss_parts = sumsq_partials(ss_ptr, n_ss, SS_BLOCK)
-    if PREFETCH:  # the next tile's words, scales, mins and x pairs are loaded before this tile's products
+    if PREFETCH:  # the loads of the tile PREFETCH ahead (words, scales, mins, x pairs) come before this tile's products
         if not PRELOAD:
             u = _words(rows, mask_n, wtile, k_lo, k_hi, PER, EVEN_N, True)  # masked: K may hold no whole tile
         sc, mn = _params(s_ptr, m_ptr, offs_n, mask_n, offs_g, k_lo, k_hi, GROUP, stride_sn, HAS_MIN, EVEN_N, True)
         xq = _xw(xw_ptr, wtile, k_lo, k_hi, BITS, True, ASM)
-        last = tl.maximum(k_full - TILE, k_lo)
+        last = tl.maximum(k_full - TILE, k_lo)  # past it, the loads repeat the last whole tile (unused)
+        if PREFETCH == 2:  # two tiles ahead: the second one's loads
+            k1 = tl.minimum(k_lo + TILE, last)
+            u1 = _words(rows, mask_n, wtile, k1, k_hi, PER, EVEN_N, True)
+            sc1, mn1 = _params(s_ptr, m_ptr, offs_n, mask_n, offs_g, k1, k_hi, GROUP, stride_sn, HAS_MIN, EVEN_N,
+                               True)
+            xq1 = _xw(xw_ptr, wtile, k1, k_hi, BITS, True, ASM)
         for k0 in range(k_lo, k_full, TILE):
-            k_next = tl.minimum(k0 + TILE, last)
+            k_next = tl.minimum(k0 + PREFETCH * TILE, last)
             u_next = _words(rows, mask_n, wtile, k_next, k_hi, PER, EVEN_N, False)
             sc_next, mn_next = _params(s_ptr, m_ptr, offs_n, mask_n, offs_g, k_next, k_hi, GROUP, stride_sn,
                                        HAS_MIN, EVEN_N, False)
@@ -108,10 +114,20 @@ def _quant_gemv_kernel(
             p, xs = _products(u, xq, x_ptr, wtile, k0, k_hi, BITS, HAS_MIN, False, ASM, PAIR, BLOCK_N, GROUPS,
                               GROUP_WORDS)
             acc = _accumulate(acc, p, xs, sc, mn, BITS, HAS_MIN, ASM, PAIR)
-            u = u_next
-            xq = xq_next
-            sc = sc_next
-            mn = mn_next
+            if PREFETCH == 2:
+                u = u1
+                xq = xq1
+                sc = sc1
+                mn = mn1
+                u1 = u_next
+                xq1 = xq_next
+                sc1 = sc_next
+                mn1 = mn_next
+            else:
+                u = u_next
+                xq = xq_next
+                sc = sc_next
+                mn = mn_next
     else:
         k_start = k_lo
         if PRELOAD:  # the first iteration, in its order
@@ -166,11 +182,14 @@ class QuantGemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     asm: bool = True  # float16 x on CUDA: products in float16x2 PTX (see _W4_DOT8_ASM and _W8_DOT4_ASM)
-    prefetch: bool = False  # tile i + 1's words, x pairs, scales and mins loaded before tile i's products
+    prefetch: int = 0  # tiles loaded ahead: tile i + prefetch's words, x pairs, scales and mins before tile i's
+    # products; 0, 1 or 2 (True is 1)
     pair: bool = False  # with asm: two words' products summed in float16x2 before one conversion (_W4_DOT16_ASM)
 
     def __post_init__(self) -> None:
         check_tiles(self, ("block_n", "words"))
+        if self.prefetch not in (0, 1, 2):
+            raise ValueError(f"prefetch={self.prefetch!r}: expected 0, 1 or 2 tiles ahead")
 
 
 def gemv_words(pw: PackedWeight) -> torch.Tensor | None:
@@ -401,7 +420,7 @@ def launch_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
         BITS=pw.bits, HAS_MIN=pw.mins is not None, HAS_BIAS=bias is not None, SPLIT=split,
         EVEN_N=(N // 2) % (cfg.block_n // 2) == 0 if silu_mul else N % cfg.block_n == 0, EVEN_K=K % tile == 0,
         BLOCK_N=cfg.block_n, GROUPS=shape[0],
-        GROUP_WORDS=shape[1], ASM=asm, PREFETCH=cfg.prefetch, PAIR=asm and cfg.pair and shape[1] >= 2,
+        GROUP_WORDS=shape[1], ASM=asm, PREFETCH=int(cfg.prefetch), PAIR=asm and cfg.pair and shape[1] >= 2,
         SILU_MUL=silu_mul, n_ss=ss.numel() if ss is not None else 1, eps=float(eps), RSTD=rstd_sumsq is not None,
         SS_BLOCK=triton.next_power_of_2(ss.numel()) if ss is not None else 1, **hand,
         TRIGGER=trigger if split == 1 else 0, WAIT=wait, PRELOAD=wait and pdl_preload and K % tile == 0,
