@@ -208,6 +208,23 @@ def test_pick_gemv_static_choice_off_cuda(monkeypatch):
         qv.pick_gemv(x, pw4, None)
 
 
+def test_wide_mode_offers_every_candidate_at_each_prefetch_depth(monkeypatch):
+    """ROOFLM_QUANT_GEMV=wide: the same candidates, the static choice first, each at 0, 1 and 2 tiles ahead, once."""
+    from rooflm.kernels.quant_gemv import gemv_candidates
+
+    for n, k, bits, group in ((12288, 4096, 4, 128), (4096, 11008, 8, 11008)):
+        monkeypatch.delenv("ROOFLM_QUANT_GEMV", raising=False)
+        auto = gemv_candidates(n, k, bits, group, 132)
+        monkeypatch.setenv("ROOFLM_QUANT_GEMV", "wide")
+        wide = gemv_candidates(n, k, bits, group, 132)
+        assert wide[0] == auto[0] and len(set(wide)) == len(wide)
+        tiles = {None if c is None else (c.block_n, c.words, c.split_k, c.num_warps, c.pair) for c in auto}
+        assert {None if c is None else (c.block_n, c.words, c.split_k, c.num_warps, c.pair) for c in wide} == tiles
+        words = [c for c in wide if c is not None]
+        assert len(words) == 3 * len(tiles - {None}), (n, k, bits)
+        assert {int(c.prefetch) for c in words} == {0, 1, 2}
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_fastest_takes_the_smallest_time_and_every_candidate_runs(device, bits):
     """``fastest`` with a scripted timer: each candidate's call runs, the smallest time wins, ties go to the first

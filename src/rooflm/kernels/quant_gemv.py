@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -233,8 +233,18 @@ def supports(x: torch.Tensor, pw: PackedWeight) -> bool:
 # on two warps with the next tile's words loaded ahead (``prefetch``) was 9-11% faster on qkv and gate_up at 4 bits,
 # and the word GEMV 5-8% faster than the general kernel at 8 bits (then 20-25% more with its float16x2 form, and a
 # few percent more on some shapes with ``pair``). ``ROOFLM_QUANT_GEMV=default`` keeps the static choice (the word
-# GEMV with ``default_gemv_config`` at 4 bits, the general kernel at 8). The tensor-core GEMV joins where ``pw.mma``.
+# GEMV with ``default_gemv_config`` at 4 bits, the general kernel at 8); ``ROOFLM_QUANT_GEMV=wide`` times every
+# candidate at each prefetch depth (0, 1 and 2 tiles ahead), three times the timing at start-up, for cards and
+# shapes the candidates were not swept on. The tensor-core GEMV joins where ``pw.mma``.
 _gemv_picked: dict[tuple, "QuantGemvConfig | None"] = {}
+
+
+def gemv_mode() -> str:
+    """``ROOFLM_QUANT_GEMV``: ``auto`` (the default), ``default`` or ``wide`` (see above)."""
+    mode = os.environ.get("ROOFLM_QUANT_GEMV", "auto")
+    if mode not in ("auto", "default", "wide"):
+        raise ValueError(f"ROOFLM_QUANT_GEMV={mode!r}: expected 'auto', 'default' or 'wide'")
+    return mode
 
 
 def gemv_candidates(n: int, k: int, bits: int, group_size: int, sms: int) -> list["QuantGemvConfig | None"]:
@@ -255,6 +265,8 @@ def gemv_candidates(n: int, k: int, bits: int, group_size: int, sms: int) -> lis
         if split:
             out += [QuantGemvConfig(16, 128, 4, 2, 3), QuantGemvConfig(32, 128, 4, 4, 3),
                     QuantGemvConfig(32, 128, 4, 4, 3, pair=True)]
+    if gemv_mode() == "wide":
+        out = list(dict.fromkeys(c if c is None else replace(c, prefetch=d) for c in out for d in (0, 1, 2)))
     return [c for c in out if c is None or tile_groups(c.words, k, bits, group_size) is not None]
 
 
@@ -269,9 +281,7 @@ def pick_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None):
         return _gemv_picked[key]
     cands = gemv_candidates(N, K, pw.bits, pw.group_size, device_sms(x)) + mma_candidates(x, pw)
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    mode = os.environ.get("ROOFLM_QUANT_GEMV", "auto")
-    if mode not in ("auto", "default"):
-        raise ValueError(f"ROOFLM_QUANT_GEMV={mode!r}: expected 'auto' or 'default'")
+    mode = gemv_mode()
     if not x.is_cuda or interpreting() or capturing or mode == "default" or len(cands) == 1:
         pick = cands[0]
     else:
@@ -302,7 +312,7 @@ def pick_gemv_silu_mul(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | N
     if key in _silu_picked:
         return _silu_picked[key]
     if (not x.is_cuda or interpreting() or torch.cuda.is_current_stream_capturing()
-            or os.environ.get("ROOFLM_QUANT_GEMV", "auto") == "default"):
+            or gemv_mode() == "default"):
         return None
     from rooflm.kernels.activation import silu_and_mul
     from rooflm.kernels.gemv import time_in_graph
