@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: run from the repository root as
 #   bash tests/gpu/device_session.sh STAGE...      (stages: info tests kbench latency1 latency32 prefill throughput
-#                                                   qlat fp8pre qdepths qtests kvlat qsweep offload newtests
+#                                                   qlat fp8pre qdepths qwide qtests kvlat qsweep offload newtests
 #                                                   swap hostcopy kvoffload multiturn specasync mixtral2
 #                                                   verifygraphs medusagpu ropefuse)
 # JSON and profiles go to $OUT (or ./out), every stage's log is appended to $OUT/all.log (the device tool returns at
 # most 8 files). Every stage has its own time limit, so one failure does not sink the call.
 # qsweep's grid: QSWEEP_Q (default: none w8a16 w4a16), QSWEEP_BATCH (1 16), QSWEEP_CTX (512 4000).
+# qwide: float16, then W4A16 and W8A16 with the word GEMV's picker as by default and with ROOFLM_QUANT_GEMV=wide
+# (QWIDE_Q, QWIDE_MODES). qdepths: the word GEMV's candidates at each prefetch depth and L2 distance (QDEPTHS_FORMATS,
+# QDEPTHS_SHAPES, QDEPTHS_L2).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
@@ -58,8 +61,15 @@ for stage in "$@"; do
               run "fp8pre_$q" 120 $PY -m rooflm.cli bench latency --model llama-2-7b --load-format dummy --batch-size 1 \
                 --input-len 2048 --output-len 2 --dtype float16 --num-iters 5 --quantization $q --json "$OUT/fp8pre_$q.json"
             done ;;
-    qdepths) TAIL=40 run qdepths 420 $PY tests/gpu/quant_gemv_sweep.py --formats w4g128,w8 --grid depths --top 3 \
-               --json "$OUT/qdepths.json" ;;
+    qwide) for q in ${QWIDE_Q:-none w4a16 w8a16}; do for mode in auto ${QWIDE_MODES:-wide}; do
+             [ $q = none ] && [ $mode != auto ] && continue
+             ROOFLM_QUANT_GEMV=$mode TAIL=6 run "qwide_${q}_$mode" 300 $PY -m rooflm.cli bench latency \
+               --model llama-2-7b --load-format dummy --batch-size 1 --input-len 1024 --output-len 128 --dtype float16 \
+               --num-iters 2 --quantization $q --json "$OUT/qwide_${q}_$mode.json"
+           done; done ;;
+    qdepths) TAIL=40 run qdepths 480 $PY tests/gpu/quant_gemv_sweep.py --formats ${QDEPTHS_FORMATS:-w4g128} \
+               --shapes ${QDEPTHS_SHAPES:-qkv,o,gate_up,down} --grid depths --depths 0,1,2 \
+               --l2-ahead ${QDEPTHS_L2:-0,4} --top 3 --json "$OUT/qdepths.json" ;;
     qtests) TAIL=15 run qtests 200 $PY -m pytest tests/gpu/test_gpu_quant_gemm.py tests/gpu/test_gpu_kv_quant.py \
               tests/gpu/test_gpu_quant_fp8.py -q -rs -p no:cacheprovider ;;
     kvlat) for kv in auto int8 fp8; do

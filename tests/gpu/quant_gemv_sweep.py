@@ -8,10 +8,12 @@ the current tile's products), each replayed from a CUDA graph over weight copies
 and as a fraction of a read-only stream of 2 GiB measured in the same run.
 
     PYTHONPATH=src python3 tests/gpu/quant_gemv_sweep.py [--formats w4g128,w8] [--shapes qkv,o,gate_up,down,lm_head]
-        [--asm on|off|both] [--pair on|off|both] [--grid full|candidates|depths]
+        [--asm on|off|both] [--pair on|off|both] [--grid full|candidates|depths] [--depths 0,1,2]
+        [--l2-ahead 0,4]
 
 ``--grid depths`` times each candidate ``pick_gemv`` times with its tiles loaded 0, 1 and 2 tiles ahead
-(``QuantGemvConfig.prefetch``), and reports the fastest at each depth.
+(``QuantGemvConfig.prefetch``, ``--depths``), each also with the L2 asked for the tile ``--l2-ahead`` ahead
+(``QuantGemvConfig.l2_ahead``; 0: not asked), and reports the fastest at each depth and each L2 distance.
 """
 from __future__ import annotations
 
@@ -68,6 +70,8 @@ def main(argv=None) -> int:
     p.add_argument("--grid", choices=("full", "candidates", "depths"), default="full",
                    help="the whole grid, only the configurations pick_gemv times (gemv_candidates), or those at "
                         "each prefetch depth (0, 1, 2 tiles ahead)")
+    p.add_argument("--depths", default="0,1,2", help="with --grid depths: tiles loaded ahead into registers")
+    p.add_argument("--l2-ahead", default="0", help="with --grid depths: tiles ahead the L2 is asked for (0: none)")
     p.add_argument("--asm", choices=("on", "off", "both"), default="on",
                    help="products in float16x2 PTX (on), in the float32 form (off), or each configuration both ways")
     p.add_argument("--pair", choices=("on", "off", "both"), default="off",
@@ -106,7 +110,10 @@ def main(argv=None) -> int:
                 cfgs = [replace(c, asm=a, pair=pr) for c in gemv_candidates(n, k, bits, pw.group_size, device_sms(x))
                         if c is not None for a in asm for pr in pair if a or not pr]
                 if args.grid == "depths":
-                    cfgs = list(dict.fromkeys(replace(c, prefetch=d) for c in cfgs for d in (0, 1, 2)))
+                    depths = [int(d) for d in args.depths.split(",")]
+                    l2s = [int(a) for a in args.l2_ahead.split(",")]
+                    cfgs = list(dict.fromkeys(replace(c, prefetch=d, l2_ahead=a) for c in cfgs for d in depths
+                                              for a in l2s if a == 0 or a > d))
             for cfg in cfgs:
                 if tile_groups(cfg.words, k, bits, pw.group_size) is None:
                     continue
@@ -131,6 +138,9 @@ def main(argv=None) -> int:
                                              if not c.prefetch), None),
                    "best_by_depth": {d: next(({"cfg": str(c), "us": round(t * 1e3, 2)} for t, c, _ in res
                                               if int(c.prefetch) == d), None) for d in (0, 1, 2)},
+                   "best_by_l2_ahead": {a: next(({"cfg": str(c), "us": round(t * 1e3, 2)} for t, c, _ in res
+                                                 if c.l2_ahead == a), None)
+                                        for a in sorted({c.l2_ahead for c in cfgs})},
                    "best_float32_form": next(({"cfg": str(c), "us": round(t * 1e3, 2)} for t, c, _ in res
                                               if not c.asm), None),
                    "best_one_word": next(({"cfg": str(c), "us": round(t * 1e3, 2)} for t, c, _ in res

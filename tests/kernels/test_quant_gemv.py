@@ -106,6 +106,28 @@ def test_prefetch_depth_is_checked():
 
     with pytest.raises(ValueError, match="prefetch=3"):
         QuantGemvConfig(16, 64, prefetch=3)
+    for bad in (-1, 9, 1):  # the L2 is asked for tiles beyond those the registers prefetch, at most 8 ahead
+        with pytest.raises(ValueError, match=f"l2_ahead={bad}"):
+            QuantGemvConfig(16, 64, prefetch=True, l2_ahead=bad)
+
+
+def test_l2_requests_leave_the_bits_alone(device):
+    """Asking the L2 for tiles ahead (CUDA only; off under the interpreter, whose float32 form cannot run PTX) is a
+    hint: every loop shape gives the same bits as without it, with the requests running past K and past N."""
+    from rooflm.kernels.quant_gemv import QuantGemvConfig, launch_gemv
+
+    k = 256 if device == "cpu" else 4160  # 4160: a ragged last tile of 64 words
+    for bits in (4, 8):
+        pw = make_packed(37, k, bits, k, mins=bits == 4, perm=False, dtype=torch.float16, device=device, seed=bits)
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(bits)).to(torch.float16).to(device)
+        for pre, split, silu in ((0, 1, False), (1, 1, False), (2, 3, False), (1, 1, True)):
+            if silu:
+                pw = make_packed(74, k, bits, k, mins=False, perm=False, dtype=torch.float16, device=device, seed=5)
+            plain = QuantGemvConfig(16, 16 if bits == 4 else 32, split, 2, prefetch=pre)
+            ahead = QuantGemvConfig(16, 16 if bits == 4 else 32, split, 2, prefetch=pre, l2_ahead=3)
+            a = launch_gemv(x, pw, None, plain, silu_mul=silu)
+            b = launch_gemv(x, pw, None, ahead, silu_mul=silu)
+            assert torch.equal(a, b), f"bits={bits} prefetch={pre} split={split} silu_mul={silu}"
 
 
 def test_split_is_deterministic(device):
@@ -202,6 +224,11 @@ def test_pick_gemv_static_choice_off_cuda(monkeypatch):
     pw8 = make_packed(40, 256, 8, 256, mins=False, perm=False, dtype=torch.float16, device="cpu")
     assert qv.pick_gemv(x, pw4, None) == qv.default_gemv_config(40, 256, 4, 64, qv.device_sms(x))
     assert qv.pick_gemv(x, pw8, None) is None
+    got = qv.choices()
+    assert got[next(k for k in got if k[2] == 8)] == "general"
+    assert got[next(k for k in got if k[2] == 4)] == qv.short_name(qv.default_gemv_config(40, 256, 4, 64, 0))
+    assert qv.short_name(qv.QuantGemvConfig(16, 64, 4, 2, prefetch=2, pair=True)) == "16x64w/s4/2wpp2"
+    assert qv.short_name(qv.QuantGemvConfig(16, 64, 1, 2, prefetch=1, l2_ahead=4)) == "16x64w/2wpL4"
     monkeypatch.setattr(qv, "_gemv_picked", {})
     monkeypatch.setenv("ROOFLM_QUANT_GEMV", "fast")
     with pytest.raises(ValueError, match="ROOFLM_QUANT_GEMV='fast'"):
@@ -209,7 +236,8 @@ def test_pick_gemv_static_choice_off_cuda(monkeypatch):
 
 
 def test_wide_mode_offers_every_candidate_at_each_prefetch_depth(monkeypatch):
-    """ROOFLM_QUANT_GEMV=wide: the same candidates, the static choice first, each at 0, 1 and 2 tiles ahead, once."""
+    """ROOFLM_QUANT_GEMV=wide: the same candidates, the static choice first, each at 0, 1 and 2 tiles ahead, with
+    and without L2 requests 4 tiles ahead, once; ``wide=False`` (the handed-over pairs' list) ignores the mode."""
     from rooflm.kernels.quant_gemv import gemv_candidates
 
     for n, k, bits, group in ((12288, 4096, 4, 128), (4096, 11008, 8, 11008)):
@@ -221,8 +249,9 @@ def test_wide_mode_offers_every_candidate_at_each_prefetch_depth(monkeypatch):
         tiles = {None if c is None else (c.block_n, c.words, c.split_k, c.num_warps, c.pair) for c in auto}
         assert {None if c is None else (c.block_n, c.words, c.split_k, c.num_warps, c.pair) for c in wide} == tiles
         words = [c for c in wide if c is not None]
-        assert len(words) == 3 * len(tiles - {None}), (n, k, bits)
-        assert {int(c.prefetch) for c in words} == {0, 1, 2}
+        assert len(words) == 6 * len(tiles - {None}), (n, k, bits)
+        assert {(int(c.prefetch), c.l2_ahead) for c in words} == {(d, a) for d in (0, 1, 2) for a in (0, 4)}
+        assert gemv_candidates(n, k, bits, group, 132, wide=False) == auto
 
 
 @pytest.mark.parametrize("bits", [4, 8])

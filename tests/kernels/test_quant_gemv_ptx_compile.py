@@ -1,9 +1,9 @@
 """The word GEMV's float16x2 PTX form compiles for Hopper (sm_90) in every loop shape it can be launched with.
 
 On the CPU the kernel tests run Triton's interpreter, which takes the float32 form and never reaches the inline PTX
-(rooflm/kernels/quant_gemv_ptx.py) or the prefetching loop's GPU lowering; this compiles them ahead of time with
-Triton's own ptxas, no GPU needed, so an error there fails on every machine, not only on one with a GPU. Run in a
-subprocess: the interpreter, once on, applies to every @triton.jit function of the process."""
+(rooflm/kernels/quant_gemv_ptx.py), the prefetching loops' GPU lowering or the L2 requests (CUDA only); this compiles
+them ahead of time with Triton's own ptxas, no GPU needed, so an error there fails on every machine, not only on one
+with a GPU. Run in a subprocess: the interpreter, once on, applies to every @triton.jit function of the process."""
 from __future__ import annotations
 
 import os
@@ -19,19 +19,22 @@ from rooflm.kernels.quant_gemv import _quant_gemv_kernel as fn
 
 names = fn.arg_names
 done = 0
-for bits, prefetch, pair, even_k, has_min in itertools.product((4, 8), (0, 1, 2), (False, True), (True, False),
-                                                               (False, True)):
+for bits, prefetch, pair, even_k, has_min, l2 in itertools.product((4, 8), (0, 1, 2), (False, True), (True, False),
+                                                                   (False, True), (0, 3)):
+    if l2 and not even_k:  # the L2 requests with every prefetch depth, pair and mins, K whole tiles
+        continue
     cons = dict(BITS=bits, HAS_MIN=has_min, HAS_BIAS=True, SPLIT=1, EVEN_N=False, EVEN_K=even_k, BLOCK_N=16,
                 GROUPS=1 if bits == 8 else 4, GROUP_WORDS=64 if bits == 8 else 16, ASM=True, PREFETCH=prefetch,
-                PAIR=pair, SILU_MUL=False, ADD_SUMSQ=False, RSTD=False, SS_BLOCK=1, TRIGGER=0, WAIT=False,
-                PRELOAD=False, r_ptr=None, nw_ptr=None, ro_ptr=None, ss_ptr=None)
+                PAIR=pair, SILU_MUL=l2 and has_min, ADD_SUMSQ=False, RSTD=False, SS_BLOCK=1, TRIGGER=0, WAIT=False,
+                PRELOAD=False, L2_AHEAD=l2, r_ptr=None, nw_ptr=None, ro_ptr=None, ss_ptr=None)
     sig = {n: "constexpr" if n in cons else "*fp16" if n in ("x_ptr", "s_ptr", "m_ptr", "b_ptr", "out_ptr")
            else "*i32" if n in ("xw_ptr", "q_ptr") else "fp32" if n == "eps" else "i32" for n in names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in cons.items()})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2)).asm["ptx"]
-    what = f"bits={bits} prefetch={prefetch} pair={pair} even_k={even_k} mins={has_min}"
+    what = f"bits={bits} prefetch={prefetch} pair={pair} even_k={even_k} mins={has_min} l2_ahead={l2}"
     assert "fma.rn.f16x2" in ptx, f"{what}: no float16x2 products in the PTX"
     assert "lop3.b32" in ptx or bits == 8, f"{what}: no nibble extraction in the PTX"
+    assert ("prefetch.global.L2" in ptx) == bool(l2), f"{what}: L2 requests where none were asked for, or none"
     done += 1
 print("compiled", done)
 """
@@ -43,4 +46,4 @@ def test_word_gemv_ptx_form_compiles_for_sm90() -> None:
     env["PYTHONPATH"] = str(root / "src") + os.pathsep + env.get("PYTHONPATH", "")
     run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "compiled 48" in run.stdout, run.stdout
+    assert "compiled 72" in run.stdout, run.stdout

@@ -315,6 +315,10 @@ def run(args: argparse.Namespace) -> int:
 
         res["fused_gemv_choices"] = {f"{k[0]} M={k[1]} N={k[2]} K={k[3]}": fused_gemv._name(v)
                                      for k, v in fused_gemv.choices().items()}
+        from rooflm.kernels import quant_gemv  # the one-row GEMV of packed weights: tiles or the general kernel
+
+        res["quant_gemv_choices"] = {f"N={k[0]} K={k[1]} bits={k[2]} group={k[3]}": v
+                                     for k, v in quant_gemv.choices().items()}
     except Exception:  # noqa: BLE001 - triton missing: nothing to report
         pass
 

@@ -400,18 +400,21 @@ def pick_handoff_packed(x: torch.Tensor, producer, producer_bias: torch.Tensor |
 def _packed_variants(producer, consumer, silu_mul: bool, sms: int) -> list[tuple]:
     """Every (producer, consumer) pair of the word GEMV's candidate tiles (``gemv_candidates``; the consumer's with
     SiLU-and-mul unsplit and of at least two rows), for timing under a launch plan: as for float weights, the tile a
-    projection runs fastest alone need not be the one that runs fastest between its neighbours."""
+    projection runs fastest alone need not be the one that runs fastest between its neighbours. Never the wide
+    list of ``ROOFLM_QUANT_GEMV=wide`` (its square is too many pairs to time; each projection's own pick, which
+    may come from it, is timed first anyway)."""
     from rooflm.kernels.quant_gemv import gemv_candidates
 
     def cands(pw, silu: bool):
-        return [c for c in gemv_candidates(pw.out_features, pw.in_features, pw.bits, pw.group_size, sms)
+        return [c for c in gemv_candidates(pw.out_features, pw.in_features, pw.bits, pw.group_size, sms, wide=False)
                 if c is not None and (not silu or (c.split_k == 1 and c.block_n >= 2))]
     return [(p, c) for p in cands(producer, False) for c in cands(consumer, silu_mul)]
 
 
 def _qshort(c) -> str:
-    return (f"{c.block_n}x{c.words}w" + (f"/s{c.split_k}" if c.split_k > 1 else "") + f"/{c.num_warps}w"
-            + "p" * int(c.prefetch) + ("2" if c.pair else ""))
+    from rooflm.kernels.quant_gemv import short_name
+
+    return short_name(c)
 
 
 def choices() -> dict[tuple, tuple[GemvConfig, GemvConfig] | None]:

@@ -27,6 +27,11 @@
 #   code multiplies, scaled once per tile. Codes above bit 20 are shifted down once per word; signed 8-bit codes are
 #   biased by 128 with one XOR per word and the bias is subtracted in the same FADD. Alone, this form was no faster
 #   than the general kernel (38-46% at 4 bits): the instruction count, not the memory pattern, was the limit.
+# * Loads ahead (``prefetch``, ``l2_ahead``): one program holds few tiles in flight (qkv's grid leaves an H100 about
+#   twelve warps a multiprocessor, and Nsight Compute found them waiting on memory most), so a loop may load the words,
+#   x pairs, scales and mins of the tile one or two ahead into registers before this tile's products, and ask the L2
+#   for the tile further ahead, which costs no registers (quant_gemv_tile.py). The products and their order do not
+#   change with either.
 #
 # K may be split over SPLIT programs (more loads in flight when N is small): partial sums go to a float32 workspace
 # that the split-K reduction of rooflm/kernels/gemv.py adds in a fixed order, so results do not depend on scheduling.
@@ -46,7 +51,8 @@ from rooflm.kernels._tl import (add_sumsq_inputs, add_sumsq_store, gdc_wait, pdl
 from rooflm.kernels._utils import check_tiles, device_sms, interpreting, packed_copies  # noqa: F401 (this API)
 from rooflm.kernels.gemv import _silu_mul_pairs, _splitk_reduce_kernel
 from rooflm.kernels.quant_gemv_mma import MmaGemvConfig, launch_mma_gemv, mma_candidates
-from rooflm.kernels.quant_gemv_tile import _accumulate, _accumulate_late, _params, _products, _words, _xw
+from rooflm.kernels.quant_gemv_tile import (_accumulate, _accumulate_late, _l2_ahead, _l2_first, _params, _products,
+                                           _words, _xw)
 from rooflm.quantization.packed import PackedWeight
 
 
@@ -59,7 +65,7 @@ def _quant_gemv_kernel(
     GROUP_WORDS: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, PAIR: tl.constexpr,
     SILU_MUL: tl.constexpr, r_ptr=None, nw_ptr=None, ro_ptr=None, ss_ptr=None, n_ss=1, eps=0.0,
     ADD_SUMSQ: tl.constexpr = False, RSTD: tl.constexpr = False, SS_BLOCK: tl.constexpr = 1,
-    TRIGGER: tl.constexpr = 0, WAIT: tl.constexpr = False, PRELOAD: tl.constexpr = False,
+    TRIGGER: tl.constexpr = 0, WAIT: tl.constexpr = False, PRELOAD: tl.constexpr = False, L2_AHEAD: tl.constexpr = 0,
 ):
     # A tile is [BLOCK_N rows, GROUPS groups, GROUP_WORDS words]: GROUPS > 1 only when a group is exactly
     # GROUP_WORDS words, so each (row, group) pair has one scale and min per tile. Whole tiles load unmasked; where
@@ -98,7 +104,9 @@ def _quant_gemv_kernel(
             u = _words(rows, mask_n, wtile, k_lo, k_hi, PER, EVEN_N, True)  # masked: K may hold no whole tile
         sc, mn = _params(s_ptr, m_ptr, offs_n, mask_n, offs_g, k_lo, k_hi, GROUP, stride_sn, HAS_MIN, EVEN_N, True)
         xq = _xw(xw_ptr, wtile, k_lo, k_hi, BITS, True, ASM)
-        last = tl.maximum(k_full - TILE, k_lo)  # past it, the loads repeat the last whole tile (unused)
+        last = tl.maximum(k_full - TILE, k_lo)  # past it, the loads ahead repeat the last whole tile (unused)
+        if L2_AHEAD:  # the L2 asked for the tiles up to L2_AHEAD ahead of the first, then one more each tile
+            _l2_first(q_ptr, pid_n, N, stride_qn, k_lo, last, PER, GROUPS * GROUP_WORDS, BLOCK_N, SILU_MUL, L2_AHEAD)
         if PREFETCH == 2:  # two tiles ahead: the second one's loads
             k1 = tl.minimum(k_lo + TILE, last)
             u1 = _words(rows, mask_n, wtile, k1, k_hi, PER, EVEN_N, True)
@@ -106,6 +114,9 @@ def _quant_gemv_kernel(
                                True)
             xq1 = _xw(xw_ptr, wtile, k1, k_hi, BITS, True, ASM)
         for k0 in range(k_lo, k_full, TILE):
+            if L2_AHEAD:
+                _l2_ahead(q_ptr, pid_n, N, stride_qn, k0 + L2_AHEAD * TILE, last, PER, GROUPS * GROUP_WORDS, BLOCK_N,
+                          SILU_MUL)
             k_next = tl.minimum(k0 + PREFETCH * TILE, last)
             u_next = _words(rows, mask_n, wtile, k_next, k_hi, PER, EVEN_N, False)
             sc_next, mn_next = _params(s_ptr, m_ptr, offs_n, mask_n, offs_g, k_next, k_hi, GROUP, stride_sn,
@@ -130,6 +141,9 @@ def _quant_gemv_kernel(
                 mn = mn_next
     else:
         k_start = k_lo
+        last = tl.maximum(k_full - TILE, k_lo)
+        if L2_AHEAD:
+            _l2_first(q_ptr, pid_n, N, stride_qn, k_lo, last, PER, GROUPS * GROUP_WORDS, BLOCK_N, SILU_MUL, L2_AHEAD)
         if PRELOAD:  # the first iteration, in its order
             p, xs = _products(u, _xw(xw_ptr, wtile, k_lo, k_hi, BITS, False, ASM), x_ptr, wtile, k_lo, k_hi, BITS,
                               HAS_MIN, False, ASM, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
@@ -137,6 +151,9 @@ def _quant_gemv_kernel(
                                    BITS, HAS_MIN, EVEN_N, False, ASM, PAIR)
             k_start = k_lo + TILE
         for k0 in range(k_start, k_full, TILE):
+            if L2_AHEAD:
+                _l2_ahead(q_ptr, pid_n, N, stride_qn, k0 + L2_AHEAD * TILE, last, PER, GROUPS * GROUP_WORDS, BLOCK_N,
+                          SILU_MUL)
             u = _words(rows, mask_n, wtile, k0, k_hi, PER, EVEN_N, False)
             p, xs = _products(u, _xw(xw_ptr, wtile, k0, k_hi, BITS, False, ASM), x_ptr, wtile, k0, k_hi, BITS,
                               HAS_MIN, False, ASM, PAIR, BLOCK_N, GROUPS, GROUP_WORDS)
@@ -185,11 +202,15 @@ class QuantGemvConfig:
     prefetch: int = 0  # tiles loaded ahead: tile i + prefetch's words, x pairs, scales and mins before tile i's
     # products; 0, 1 or 2 (True is 1)
     pair: bool = False  # with asm: two words' products summed in float16x2 before one conversion (_W4_DOT16_ASM)
+    l2_ahead: int = 0  # on CUDA: the L2 asked for the words of the tile this many ahead (0: not asked; _l2_ahead)
 
     def __post_init__(self) -> None:
         check_tiles(self, ("block_n", "words"))
         if self.prefetch not in (0, 1, 2):
             raise ValueError(f"prefetch={self.prefetch!r}: expected 0, 1 or 2 tiles ahead")
+        if not 0 <= self.l2_ahead <= 8 or (self.l2_ahead and self.l2_ahead <= self.prefetch):
+            raise ValueError(f"l2_ahead={self.l2_ahead!r}: expected 0, or more tiles ahead than prefetch="
+                             f"{int(self.prefetch)} and at most 8")
 
 
 def gemv_words(pw: PackedWeight) -> torch.Tensor | None:
@@ -234,9 +255,26 @@ def supports(x: torch.Tensor, pw: PackedWeight) -> bool:
 # and the word GEMV 5-8% faster than the general kernel at 8 bits (then 20-25% more with its float16x2 form, and a
 # few percent more on some shapes with ``pair``). ``ROOFLM_QUANT_GEMV=default`` keeps the static choice (the word
 # GEMV with ``default_gemv_config`` at 4 bits, the general kernel at 8); ``ROOFLM_QUANT_GEMV=wide`` times every
-# candidate at each prefetch depth (0, 1 and 2 tiles ahead), three times the timing at start-up, for cards and
-# shapes the candidates were not swept on. The tensor-core GEMV joins where ``pw.mma``.
+# candidate at each prefetch depth (0, 1 and 2 tiles ahead), with and without L2 requests 4 tiles ahead: six times
+# the timing at start-up, for cards and shapes the candidates were not swept on. The tensor-core GEMV joins where
+# ``pw.mma``.
 _gemv_picked: dict[tuple, "QuantGemvConfig | None"] = {}
+
+
+def short_name(c: "QuantGemvConfig | None") -> str:
+    """A configuration in a few characters, for reports: rows x words a tile, K splits, warps, one "p" a tile
+    prefetched, "2" for two words a sum, "L4" for the L2 asked 4 tiles ahead; "general" for the general kernel."""
+    if c is None:
+        return "general"
+    if isinstance(c, MmaGemvConfig):
+        return f"mma/s{c.split_k}/{c.warps}w" + ("p" if c.prefetch else "")
+    return (f"{c.block_n}x{c.words}w" + (f"/s{c.split_k}" if c.split_k > 1 else "") + f"/{c.num_warps}w"
+            + "p" * int(c.prefetch) + ("2" if c.pair else "") + (f"L{c.l2_ahead}" if c.l2_ahead else ""))
+
+
+def choices() -> dict[tuple, str]:
+    """What ``pick_gemv`` picked so far, for reports: {(N, K, bits, group, ...): ``short_name`` of the pick}."""
+    return {k: short_name(v) for k, v in _gemv_picked.items()}
 
 
 def gemv_mode() -> str:
@@ -247,9 +285,12 @@ def gemv_mode() -> str:
     return mode
 
 
-def gemv_candidates(n: int, k: int, bits: int, group_size: int, sms: int) -> list["QuantGemvConfig | None"]:
+def gemv_candidates(n: int, k: int, bits: int, group_size: int, sms: int,
+                    wide: bool | None = None) -> list["QuantGemvConfig | None"]:
     """What ``pick_gemv`` times for an [n, k] weight: configurations of the word GEMV whose tiles fit the groups,
-    and None (the general kernel) at 8 bits. The static choice comes first."""
+    and None (the general kernel) at 8 bits. The static choice comes first. ``wide`` (by default where
+    ``ROOFLM_QUANT_GEMV=wide``): each of them also 0, 1 and 2 tiles ahead (``prefetch``), each of those with and
+    without the L2 asked for the tile 4 ahead (``l2_ahead``)."""
     split = triton.cdiv(n, 16) < 2 * sms  # few rows: K splits keep more loads in flight
     if bits == 4:
         out: list[QuantGemvConfig | None] = [default_gemv_config(n, k, bits, group_size, sms),
@@ -265,8 +306,9 @@ def gemv_candidates(n: int, k: int, bits: int, group_size: int, sms: int) -> lis
         if split:
             out += [QuantGemvConfig(16, 128, 4, 2, 3), QuantGemvConfig(32, 128, 4, 4, 3),
                     QuantGemvConfig(32, 128, 4, 4, 3, pair=True)]
-    if gemv_mode() == "wide":
-        out = list(dict.fromkeys(c if c is None else replace(c, prefetch=d) for c in out for d in (0, 1, 2)))
+    if gemv_mode() == "wide" if wide is None else wide:
+        out = list(dict.fromkeys(c if c is None else replace(c, prefetch=d, l2_ahead=a) for c in out
+                                 for d in (0, 1, 2) for a in (0, 4)))
     return [c for c in out if c is None or tile_groups(c.words, k, bits, group_size) is not None]
 
 
@@ -434,6 +476,7 @@ def launch_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
         SILU_MUL=silu_mul, n_ss=ss.numel() if ss is not None else 1, eps=float(eps), RSTD=rstd_sumsq is not None,
         SS_BLOCK=triton.next_power_of_2(ss.numel()) if ss is not None else 1, **hand,
         TRIGGER=trigger if split == 1 else 0, WAIT=wait, PRELOAD=wait and pdl_preload and K % tile == 0,
+        L2_AHEAD=cfg.l2_ahead if x.is_cuda and not interpreting() else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
     if split > 1:  # one reduce program per cfg.block_n rows under add_sumsq: one partial sum each, as unsplit

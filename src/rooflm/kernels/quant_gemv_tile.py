@@ -104,6 +104,36 @@ def _xw(xw_ptr, wtile, k0, k_hi, BITS: tl.constexpr, MASK_K: tl.constexpr, ASM: 
 
 
 @triton.jit
+def _l2_ahead(q_ptr, pid_n, N, stride_qn, k0, last, PER: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr,
+              SILU_MUL: tl.constexpr):
+    """Asks the L2 for the words of the tile after column min(k0, last) of program ``pid_n``'s rows (as the kernel
+    numbers them; rows past N ask for row N - 1): PTX ``prefetch.global.L2``, one request a 32-byte sector, each from
+    one thread, no register written and nothing waited for, so more of the stream is in flight than the registers
+    hold. A hint: the bits computed do not depend on it."""
+    SECTORS: tl.constexpr = (WORDS + 7) // 8
+    i = tl.arange(0, BLOCK_N * SECTORS)  # one flat index, so that no two threads hold the same sector
+    r = i // SECTORS
+    if SILU_MUL:  # gate row j, then up row N / 2 + j
+        row = pid_n * (BLOCK_N // 2) + r // 2 + (r % 2) * (N // 2)
+    else:
+        row = pid_n * BLOCK_N + r
+    col = tl.minimum(k0, last) // PER + (i % SECTORS) * 8
+    addr = (q_ptr + tl.minimum(row, N - 1).to(tl.int64) * stride_qn + col).to(tl.int64, bitcast=True)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _l2_first(q_ptr, pid_n, N, stride_qn, k_lo, last, PER: tl.constexpr, WORDS: tl.constexpr,
+              BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr, AHEAD: tl.constexpr):
+    """Before the loop: the L2 asked for the tiles 1 .. AHEAD - 1 after column k_lo (the loop asks for the one AHEAD
+    ahead of each tile it multiplies)."""
+    TILE: tl.constexpr = WORDS * PER
+    for d in tl.static_range(1, AHEAD):
+        _l2_ahead(q_ptr, pid_n, N, stride_qn, k_lo + d * TILE, last, PER, WORDS, BLOCK_N, SILU_MUL)
+
+
+@triton.jit
 def _accumulate(acc, p, xs, sc, mn, BITS: tl.constexpr, HAS_MIN: tl.constexpr, ASM: tl.constexpr,
                 PAIR: tl.constexpr):
     """acc + a tile's partial products ``p`` times their groups' scales, + the groups' mins times the x sums."""
