@@ -327,7 +327,8 @@ def pick_handoff_packed(x: torch.Tensor, producer, producer_bias: torch.Tensor |
     launches so) the pair of 8-bit weights is timed as the model launches it over the word GEMV's candidate tiles of
     both halves (``_packed_variants``), as ``pick_handoff`` does for float weights (see ``PLAN_TIMED_BITS``)."""
     from rooflm.kernels._utils import device_sms
-    from rooflm.kernels.quant_gemv import default_gemv_config, packed_copies, pick_gemv, pick_gemv_silu_mul, supports
+    from rooflm.kernels.quant_gemv import (default_gemv_config, packed_copies, pick_gemv, pick_gemv_silu_mul,
+                                           short_name, supports)
     from rooflm.kernels.quant_gemv_mma import MmaGemvConfig
 
     if (x.dim() != 2 or x.shape[0] != 1 or x.dtype not in (torch.float16, torch.bfloat16)
@@ -390,7 +391,7 @@ def pick_handoff_packed(x: torch.Tensor, producer, producer_bias: torch.Tensor |
         results.sort(key=lambda r: r[0])
         if os.environ.get("ROOFLM_GEMV", "auto") == "verbose":
             print(f"[rooflm.handoff_gemv] packed {key[1:4]} silu_mul={silu_mul} launch={launch is not None}: "
-                  + ", ".join(("unfused" if v is None else f"{_qshort(v[0])}/{_qshort(v[1])}")
+                  + ", ".join(("unfused" if v is None else f"{short_name(v[0])}/{short_name(v[1])}")
                               + f"={t * 1e3:.1f}us" for t, v in results[:8]))
         pick = results[0][1]
     _choices[key] = pick
@@ -409,12 +410,6 @@ def _packed_variants(producer, consumer, silu_mul: bool, sms: int) -> list[tuple
         return [c for c in gemv_candidates(pw.out_features, pw.in_features, pw.bits, pw.group_size, sms, wide=False)
                 if c is not None and (not silu or (c.split_k == 1 and c.block_n >= 2))]
     return [(p, c) for p in cands(producer, False) for c in cands(consumer, silu_mul)]
-
-
-def _qshort(c) -> str:
-    from rooflm.kernels.quant_gemv import short_name
-
-    return short_name(c)
 
 
 def choices() -> dict[tuple, tuple[GemvConfig, GemvConfig] | None]:

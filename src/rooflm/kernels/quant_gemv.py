@@ -52,7 +52,7 @@ from rooflm.kernels._utils import check_tiles, device_sms, interpreting, packed_
 from rooflm.kernels.gemv import _silu_mul_pairs, _splitk_reduce_kernel
 from rooflm.kernels.quant_gemv_mma import MmaGemvConfig, launch_mma_gemv, mma_candidates
 from rooflm.kernels.quant_gemv_tile import (_accumulate, _accumulate_late, _l2_ahead, _l2_first, _params, _products,
-                                           _words, _xw)
+                                           _rows, _words, _xw)
 from rooflm.quantization.packed import PackedWeight
 
 
@@ -75,14 +75,7 @@ def _quant_gemv_kernel(
     pdl_edges(TRIGGER, WAIT and not PRELOAD)  # programmatic dependent launch (see rooflm.kernels.gemv.launch_gemv)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if SILU_MUL:  # W is [gate | up], N = 2 * intermediate: rows interleaved, gate j then up j (N // 2 + j)
-        r = tl.arange(0, BLOCK_N)
-        j = pid_n * (BLOCK_N // 2) + r // 2
-        offs_n = j + (r % 2) * (N // 2)
-        mask_n = j < N // 2
-    else:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
+    offs_n, mask_n = _rows(pid_n, N, BLOCK_N, SILU_MUL)
     offs_g = tl.arange(0, GROUPS)
     wtile = offs_g[:, None] * GROUP_WORDS + tl.arange(0, GROUP_WORDS)[None, :]  # [GROUPS, GROUP_WORDS]
     rows = q_ptr + offs_n.to(tl.int64)[:, None, None] * stride_qn

@@ -104,6 +104,19 @@ def _xw(xw_ptr, wtile, k0, k_hi, BITS: tl.constexpr, MASK_K: tl.constexpr, ASM: 
 
 
 @triton.jit
+def _rows(pid_n, N, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr, SECTORS: tl.constexpr = 1):
+    """The rows of W that program ``pid_n`` holds, and which of them lie inside W: one a row slot, or SECTORS
+    consecutive entries a slot (one a 32-byte sector of the slot's tile, for ``_l2_ahead``). With SILU_MUL W is
+    [gate | up], N = 2 * intermediate, and the slots interleave gate row j and up row N / 2 + j."""
+    if SILU_MUL:
+        r = tl.arange(0, BLOCK_N * SECTORS) // SECTORS
+        j = pid_n * (BLOCK_N // 2) + r // 2
+        return j + (r % 2) * (N // 2), j < N // 2
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N * SECTORS) // SECTORS
+    return rows, rows < N
+
+
+@triton.jit
 def _l2_ahead(q_ptr, pid_n, N, stride_qn, k0, last, PER: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr,
               SILU_MUL: tl.constexpr):
     """Asks the L2 for the words of the tile after column min(k0, last) of program ``pid_n``'s rows (as the kernel
@@ -111,13 +124,9 @@ def _l2_ahead(q_ptr, pid_n, N, stride_qn, k0, last, PER: tl.constexpr, WORDS: tl
     one thread, no register written and nothing waited for, so more of the stream is in flight than the registers
     hold. A hint: the bits computed do not depend on it."""
     SECTORS: tl.constexpr = (WORDS + 7) // 8
-    i = tl.arange(0, BLOCK_N * SECTORS)  # one flat index, so that no two threads hold the same sector
-    r = i // SECTORS
-    if SILU_MUL:  # gate row j, then up row N / 2 + j
-        row = pid_n * (BLOCK_N // 2) + r // 2 + (r % 2) * (N // 2)
-    else:
-        row = pid_n * BLOCK_N + r
-    col = tl.minimum(k0, last) // PER + (i % SECTORS) * 8
+    # one flat index over (row slot, sector), so that no two threads hold the same sector
+    row, _ = _rows(pid_n, N, BLOCK_N, SILU_MUL, SECTORS)
+    col = tl.minimum(k0, last) // PER + (tl.arange(0, BLOCK_N * SECTORS) % SECTORS) * 8
     addr = (q_ptr + tl.minimum(row, N - 1).to(tl.int64) * stride_qn + col).to(tl.int64, bitcast=True)
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr], dtype=tl.int32,
                               is_pure=False, pack=1)
