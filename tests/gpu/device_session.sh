@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: run from the repository root as
 #   bash tests/gpu/device_session.sh STAGE...      (stages: info tests kbench latency1 latency32 prefill throughput
-#                                                   qlat fp8pre qdepths qwide qtests kvlat qsweep offload newtests
+#                                                   qlat fp8pre qdepths qwide qmlp qmlpsweep qtests kvlat qsweep offload newtests
 #                                                   swap hostcopy kvoffload multiturn specasync mixtral2
 #                                                   verifygraphs medusagpu ropefuse)
 # JSON and profiles go to $OUT (or ./out), every stage's log is appended to $OUT/all.log (the device tool returns at
@@ -9,7 +9,9 @@
 # qsweep's grid: QSWEEP_Q (default: none w8a16 w4a16), QSWEEP_BATCH (1 16), QSWEEP_CTX (512 4000).
 # qwide: float16, then W4A16 and W8A16 with the word GEMV's picker as by default and with ROOFLM_QUANT_GEMV=wide
 # (QWIDE_Q, QWIDE_MODES). qdepths: the word GEMV's candidates at each prefetch depth and L2 distance (QDEPTHS_FORMATS,
-# QDEPTHS_SHAPES, QDEPTHS_L2).
+# QDEPTHS_SHAPES, QDEPTHS_L2). qmlp: the fused packed MLP's tests, then `bench latency` at one row for each of
+# QMLP_Q (default: none w4a16) in each source tree of QMLP_TREES (default: src; e.g. "src .headsrc/src" alternates
+# with an older tree; QMLP_TESTS=0 skips the tests). qmlpsweep: tests/gpu/quant_mlp_sweep.py (QMLP_FORMATS).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
@@ -67,6 +69,15 @@ for stage in "$@"; do
                --model llama-2-7b --load-format dummy --batch-size 1 --input-len 1024 --output-len 128 --dtype float16 \
                --num-iters 2 --quantization $q --json "$OUT/qwide_${q}_$mode.json"
            done; done ;;
+    qmlp) [ "${QMLP_TESTS:-1}" = 1 ] && TAIL=30 run qmlp_tests 150 $PY -m pytest -q -p no:cacheprovider \
+            tests/kernels/test_quant_mlp.py tests/gpu/test_gpu_quant_mlp.py tests/gpu/test_gpu_quant_gemm.py -k "mlp or hands_the_norms"
+          for q in ${QMLP_Q:-none w4a16}; do for tree in ${QMLP_TREES:-src}; do
+            PYTHONPATH=$tree ROOFLM_GEMV=verbose ROOFLM_QUANT_MLP=${QMLP_MODE:-auto} TAIL=8 \
+              run "qmlp_${q}_${tree//[\/.]/}" 200 $PY -m rooflm.cli bench latency --model llama-2-7b \
+              --load-format dummy --batch-size 1 --input-len 1024 --output-len 128 --dtype float16 --num-iters 2 --quantization $q --json "$OUT/qmlp_${q}_${tree//[\/.]/}.json"
+          done; done ;;
+    qmlpsweep) TAIL=40 run qmlpsweep 480 $PY tests/gpu/quant_mlp_sweep.py --formats ${QMLP_FORMATS:-w4g128,w8} \
+                 --json "$OUT/qmlpsweep.json" ;;
     qdepths) TAIL=40 run qdepths 480 $PY tests/gpu/quant_gemv_sweep.py --formats ${QDEPTHS_FORMATS:-w4g128} \
                --shapes ${QDEPTHS_SHAPES:-qkv,o,gate_up,down} --grid depths --depths 0,1,2 \
                --l2-ahead ${QDEPTHS_L2:-0,4} --top 3 --json "$OUT/qdepths.json" ;;

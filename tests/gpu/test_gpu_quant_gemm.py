@@ -143,6 +143,10 @@ def test_one_row_decode_hands_the_norms_over_between_packed_projections(method, 
     quantize_model(model, QuantConfig(method=method))
     monkeypatch.setenv("ROOFLM_FUSED_GEMV", "on")  # handed over whatever the timing of these small shapes
     monkeypatch.setattr(hg, "_choices", {})
+    import rooflm.kernels.quant_mlp as qm  # the pair of word GEMVs, not the fused MLP (test_gpu_quant_mlp.py)
+
+    monkeypatch.setattr(qm, "candidates", lambda gate_up, down: [])
+    monkeypatch.setattr(qm, "_layer_picked", {})
     calls = []
     monkeypatch.setattr(hg, "packed_add_sumsq", lambda *a, _f=hg.packed_add_sumsq, **k: calls.append(1) or _f(*a, **k))
     caches = allocate_kv_caches(3, 8, 16, 4, 64, torch.float16, "cuda")

@@ -319,6 +319,10 @@ def run(args: argparse.Namespace) -> int:
 
         res["quant_gemv_choices"] = {f"N={k[0]} K={k[1]} bits={k[2]} group={k[3]}": v
                                      for k, v in quant_gemv.choices().items()}
+        from rooflm.kernels import quant_mlp  # the fused MLP of packed weights, or the pair of word GEMVs
+
+        res["quant_mlp_choices"] = {f"gate_up={k[0]}x{k[1]} down={k[1]}x{k[2]} bits={k[3]}": v
+                                    for k, v in quant_mlp.choices().items()}
     except Exception:  # noqa: BLE001 - triton missing: nothing to report
         pass
 
