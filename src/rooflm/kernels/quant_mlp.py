@@ -91,22 +91,23 @@ def _fused_mlp_kernel(
                               False, ASM, PAIR, 2 * BLOCK_I, GROUPS, GROUP_WORDS)
             acc = _accumulate_late(acc, p, xs, gs_ptr, gm_ptr, offs_n, mask_n, offs_g, k0, H, GROUP_G, stride_gs,
                                    BITS, HAS_MIN, True, False, ASM, PAIR)
+    # Phase 2's first tile of down_proj (which does not depend on the activations) is in flight meanwhile.
+    offs_d = tl.arange(0, 1)
+    dtile = tl.arange(0, DW)[None, :]  # [1 group, DW words]
+    offs_r = tl.arange(0, DOWN_ROWS)
+    true_r = offs_r < DOWN_ROWS
+    drows = dq_ptr + offs_r.to(tl.int64)[:, None, None] * stride_dq
+    j0 = pid * BLOCK_I
+    u = _words(drows, true_r, dtile, j0, I, PER, True, False)
+    sc, mn = _params(ds_ptr, dm_ptr, offs_r, true_r, offs_d, j0, I, GROUP_D, stride_ds, HAS_MIN, True, False)
     res = tl.sum(tl.sum(acc, 2), 1)
     if RSTD:  # x is h * norm_weight from the handoff producer: the sums times 1/rms(h)
         res = res * rstd_of_partials(ss_parts, H, eps)
     g, up = tl.split(tl.reshape(res, [BLOCK_I, 2]))
-    j0 = pid * BLOCK_I
     tl.store(act_ptr + j0 + tl.arange(0, BLOCK_I), _silu_mul_pairs(g, up, act_ptr))
     tl.debug_barrier()  # the program's activations, stored by some of its threads, are read by all of them
     # Phase 2: down_proj's columns [j0, j0 + BLOCK_I), every row, DOWN_ROWS rows a tile.
-    offs_d = tl.arange(0, 1)
-    dtile = tl.arange(0, DW)[None, :]  # [1 group, DW words]
     aq = _xw(aw_ptr, dtile, j0, I, BITS, False, ASM)
-    offs_r = tl.arange(0, DOWN_ROWS)
-    true_r = offs_r < DOWN_ROWS
-    drows = dq_ptr + offs_r.to(tl.int64)[:, None, None] * stride_dq
-    u = _words(drows, true_r, dtile, j0, I, PER, True, False)
-    sc, mn = _params(ds_ptr, dm_ptr, offs_r, true_r, offs_d, j0, I, GROUP_D, stride_ds, HAS_MIN, True, False)
     for r0 in range(0, H, DOWN_ROWS):
         r_next = tl.minimum(r0 + DOWN_ROWS, H - DOWN_ROWS)  # the last tile loads itself again (unused)
         u_next = _words(drows + r_next.to(tl.int64) * stride_dq, true_r, dtile, j0, I, PER, True, False)
