@@ -73,8 +73,8 @@ for stage in "$@"; do
             tests/kernels/test_quant_mlp.py tests/gpu/test_gpu_quant_mlp.py tests/gpu/test_gpu_quant_gemm.py -k "mlp or hands_the_norms"
           for q in ${QMLP_Q:-none w4a16}; do for tree in ${QMLP_TREES:-src}; do
             PYTHONPATH=$tree ROOFLM_GEMV=verbose ROOFLM_QUANT_MLP=${QMLP_MODE:-auto} TAIL=8 \
-              run "qmlp_${q}_${tree//[\/.]/}" 200 $PY -m rooflm.cli bench latency --model llama-2-7b \
-              --load-format dummy --batch-size 1 --input-len 1024 --output-len 128 --dtype float16 --num-iters 2 --quantization $q --json "$OUT/qmlp_${q}_${tree//[\/.]/}.json"
+              run "qmlp_${q}_${tree//[\/.]/}_${QMLP_MODE:-auto}" 200 $PY -m rooflm.cli bench latency --model llama-2-7b \
+              --load-format dummy --batch-size 1 --input-len 1024 --output-len 128 --dtype float16 --num-iters 2 --quantization $q --json "$OUT/qmlp_${q}_${tree//[\/.]/}_${QMLP_MODE:-auto}.json"
           done; done ;;
     qmlpsweep) TAIL=40 run qmlpsweep 480 $PY tests/gpu/quant_mlp_sweep.py --formats ${QMLP_FORMATS:-w4g128,w8} \
                  --json "$OUT/qmlpsweep.json" ;;
