@@ -129,7 +129,9 @@ def _partials_reduce_kernel(part_ptr, b_ptr, out_ptr, P, H, HAS_BIAS: tl.constex
                             ADD_SUMSQ: tl.constexpr = False, TRIGGER: tl.constexpr = False,
                             WAIT: tl.constexpr = False):
     """out[BLOCK outputs] = the sum of the P programs' partial sums (+ bias), P_CHUNK programs' rows at a time, in
-    an order fixed by the constants; with ADD_SUMSQ the handoff producer's epilogue (``add_sumsq_store``)."""
+    an order fixed by the constants; with ADD_SUMSQ the handoff producer's epilogue (``add_sumsq_store``). The
+    split-K reduction of rooflm/kernels/gemv.py does the same for a few splits with one unrolled load each; here P
+    is 86-344 (intermediate / block_i), so the rows are loaded as [P_CHUNK, BLOCK] tiles in a loop instead."""
     pdl_edges(TRIGGER, WAIT)
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
