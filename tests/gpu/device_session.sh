@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: run from the repository root as
 #   bash tests/gpu/device_session.sh STAGE...      (stages: info tests kbench latency1 latency32 prefill throughput
-#                                                   qlat fp8pre qdepths qwide qmlp qmlpsweep qtests kvlat qsweep offload newtests
-#                                                   swap hostcopy kvoffload multiturn specasync mixtral2
+#                                                   qlat fp8pre qdepths qwide qmlp qmlpsweep dataflow qtests kvlat qsweep
+#                                                   offload newtests swap hostcopy kvoffload multiturn specasync mixtral2
 #                                                   verifygraphs medusagpu ropefuse)
 # JSON and profiles go to $OUT (or ./out), every stage's log is appended to $OUT/all.log (the device tool returns at
 # most 8 files). Every stage has its own time limit, so one failure does not sink the call.
@@ -12,6 +12,7 @@
 # QDEPTHS_SHAPES, QDEPTHS_L2). qmlp: the fused packed MLP's tests, then `bench latency` at one row for each of
 # QMLP_Q (default: none w4a16) in each source tree of QMLP_TREES (default: src; e.g. "src .headsrc/src" alternates
 # with an older tree; QMLP_TESTS=0 skips the tests). qmlpsweep: tests/gpu/quant_mlp_sweep.py (QMLP_FORMATS).
+# dataflow: tests/gpu/dataflow_probe.py (a layer's five stages handing activations over by counters, not grid waits).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
@@ -76,6 +77,7 @@ for stage in "$@"; do
               run "qmlp_${q}_${tree//[\/.]/}_${QMLP_MODE:-auto}" 200 $PY -m rooflm.cli bench latency --model llama-2-7b \
               --load-format dummy --batch-size 1 --input-len 1024 --output-len 128 --dtype float16 --num-iters 2 --quantization $q --json "$OUT/qmlp_${q}_${tree//[\/.]/}_${QMLP_MODE:-auto}.json"
           done; done ;;
+    dataflow) TAIL=12 run dataflow 240 $PY tests/gpu/dataflow_probe.py ;;
     qmlpsweep) TAIL=40 run qmlpsweep 480 $PY tests/gpu/quant_mlp_sweep.py --formats ${QMLP_FORMATS:-w4g128,w8} \
                  --json "$OUT/qmlpsweep.json" ;;
     qdepths) TAIL=40 run qdepths 480 $PY tests/gpu/quant_gemv_sweep.py --formats ${QDEPTHS_FORMATS:-w4g128} \
