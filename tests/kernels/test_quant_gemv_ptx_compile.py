@@ -23,8 +23,10 @@ for bits, prefetch, pair, even_k, has_min, l2 in itertools.product((4, 8), (0, 1
                                                                    (False, True), (0, 3)):
     if l2 and not even_k:  # the L2 requests with every prefetch depth, pair and mins, K whole tiles
         continue
-    cons = dict(BITS=bits, HAS_MIN=has_min, HAS_BIAS=True, SPLIT=1, EVEN_N=False, EVEN_K=even_k, BLOCK_N=16,
-                GROUPS=1 if bits == 8 else 4, GROUP_WORDS=64 if bits == 8 else 16, ASM=True, PREFETCH=prefetch,
+    group = 128 if bits == 4 else 4096  # K = 4096: the row stride in words, the scales' in groups
+    cons = dict(GROUP=group, stride_qn=4096 * bits // 32, stride_sn=4096 // group, BITS=bits, HAS_MIN=has_min,
+                HAS_BIAS=True, SPLIT=1, EVEN_N=False, EVEN_K=even_k, BLOCK_N=16, GROUPS=1 if bits == 8 else 4,
+                GROUP_WORDS=64 if bits == 8 else 16, ASM=True, PREFETCH=prefetch,
                 PAIR=pair, SILU_MUL=l2 and has_min, ADD_SUMSQ=False, RSTD=False, SS_BLOCK=1, TRIGGER=0, WAIT=False,
                 PRELOAD=False, L2_AHEAD=l2, r_ptr=None, nw_ptr=None, ro_ptr=None, ss_ptr=None)
     sig = {n: "constexpr" if n in cons else "*fp16" if n in ("x_ptr", "s_ptr", "m_ptr", "b_ptr", "out_ptr")

@@ -45,7 +45,8 @@ from rooflm.quantization.packed import PackedWeight
 @triton.jit
 def _fused_mlp_kernel(
     x_ptr, xw_ptr, gq_ptr, gs_ptr, gm_ptr, dq_ptr, ds_ptr, dm_ptr, act_ptr, aw_ptr, part_ptr, ss_ptr,
-    H, I, GROUP_G, GROUP_D, stride_gq, stride_gs, stride_dq, stride_ds, n_ss, eps,
+    H, I, GROUP_G: tl.constexpr, GROUP_D: tl.constexpr,  # groups and row strides constant: see quant_gemv.py
+    stride_gq: tl.constexpr, stride_gs: tl.constexpr, stride_dq: tl.constexpr, stride_ds: tl.constexpr, n_ss, eps,
     BITS: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_I: tl.constexpr, GROUPS: tl.constexpr,
     GROUP_WORDS: tl.constexpr, DOWN_ROWS: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
     PAIR: tl.constexpr, PAIR_D: tl.constexpr, RSTD: tl.constexpr, SS_BLOCK: tl.constexpr, TRIGGER: tl.constexpr,
