@@ -49,3 +49,20 @@ def test_word_gemv_ptx_form_compiles_for_sm90() -> None:
     run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "compiled 72" in run.stdout, run.stdout
+
+
+def test_sass_report_finds_each_candidates_products_loop() -> None:
+    """tests/kernels/quant_gemv_sass.py (the static counts quoted in rooflm/kernels/quant_gemv.py) finds, for every
+    8-bit candidate of a qkv projection, a main loop that holds the float16x2 products."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, str(root / "tests" / "kernels" / "quant_gemv_sass.py"), "--shapes", "qkv8",
+                          "--mix"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    counts, mixes = lines[0::2], lines[1::2]
+    assert len(counts) == len(mixes) >= 4, run.stdout
+    for count, mix in zip(counts, mixes):
+        loop = int(count.split("main loop")[1].split()[0])
+        assert 100 < loop < 2000 and "HFMA2" in mix and "LDG" in mix, (count, mix)

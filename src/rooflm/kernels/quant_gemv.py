@@ -34,7 +34,7 @@
 #   change with either.
 # * The group size and the row strides of the codes and scales are compile-time constants (one compile per row
 #   length; a dense model has two, its hidden and intermediate sizes): a tile's rows are one base address plus
-#   immediate offsets, and k // group is a shift. Compiled for sm_90 (Triton 3.9, main loops counted with nvdisasm),
+#   immediate offsets, and k // group is a shift. Compiled for sm_90 (Triton 3.9; tests/kernels/quant_gemv_sass.py),
 #   the candidates execute 3-25% fewer instructions a tile (4 bits, 16 x 64 words on two warps: 440 -> 404; 8 bits,
 #   16 x 128 on four: 310 -> 264), and tiles of many rows take far fewer registers (32 x 64 at 4 bits: 168 -> 96; each
 #   row had held its own 64-bit pointer). The floating-point operations are the same ones.
