@@ -121,10 +121,10 @@ def build(layers: int, device: torch.device, stages: dict = STAGES) -> dict:
     """Weights (random 4-bit values in int32 words), one input and every stage's output and counters."""
     names = list(stages)
     shapes = list(stages.values())
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    ws = [[torch.randint(0, 16, s, generator=gen, dtype=torch.int32).to(device) for s in shapes]
+    gen = torch.Generator(device=device).manual_seed(0)
+    ws = [[torch.randint(0, 16, s, generator=gen, dtype=torch.int32, device=device) for s in shapes]
           for _ in range(layers)]
-    x0 = torch.rand(shapes[-1][0], generator=gen).to(device)
+    x0 = torch.rand(shapes[-1][0], generator=gen, device=device)
     ys = [[torch.empty(n, dtype=torch.float32, device=device) for n, _ in shapes] for _ in range(layers)]
     flags = torch.zeros(layers * len(names) + 1, 4096, dtype=torch.int32, device=device)  # the last: waits missed
     return dict(names=names, shapes=shapes, ws=ws, x0=x0, ys=ys, flags=flags)
