@@ -201,9 +201,12 @@ def fits(gate_up: PackedWeight, down: PackedWeight, cfg: FusedMlpConfig) -> bool
 def candidates(gate_up: PackedWeight, down: PackedWeight) -> list[FusedMlpConfig]:
     """The configurations ``pick_fused_mlp`` times (those that ``fits``). Few programs keep the partial sums small
     (intermediate / block_i rows of hidden floats: 2.8 MB for Llama-2-7B at 64 columns a program, 11 MB at 16),
-    and every program of the grid should be resident at once (no second wave): compiled for sm_90, the tiles below
-    take 80-168 registers a thread, two to four programs a multiprocessor, and keep 16-32 words a thread in flight
-    in each phase (a down_proj tile of 512 rows x 8 words at 4 bits is 16 KiB)."""
+    and the grid should be resident at once (no second wave). Compiled for sm_90 (Triton 3.9, 4 bits in groups of
+    128 with mins), the tiles below take 128 registers a thread (the eight- and sixteen-warp tiles, and 32 columns
+    of 32 words) to 209-255 (the four-warp tiles of 64 words or 64 columns, and 64 x 64 words on eight warps): on
+    the 132 multiprocessors of an H100 all of Llama-2-7B's 86-344 programs are resident at once except for those
+    two of 64 words (a second wave), which the picker's timings are left to judge. They keep 16-32 words a thread in
+    flight in each phase (a down_proj tile of 512 rows x 8 words at 4 bits is 16 KiB)."""
     out = [FusedMlpConfig(64, 32, 512, 4, 1), FusedMlpConfig(64, 32, 512, 8, 1), FusedMlpConfig(64, 64, 512, 8, 1),
            FusedMlpConfig(32, 64, 1024, 4, 1), FusedMlpConfig(32, 32, 512, 4, 1), FusedMlpConfig(128, 32, 512, 16, 1),
            FusedMlpConfig(64, 32, 256, 8, 1), FusedMlpConfig(64, 32, 512, 4, 1, pair=True)]
