@@ -27,9 +27,13 @@ from rooflm.kernels import quant_gemv as qg
 
 SHAPES = {"qkv4": (12288, 4096, 4, 128, True), "down4": (4096, 11008, 4, 128, True),
           "qkv8": (12288, 4096, 8, 4096, False), "down8": (4096, 11008, 8, 11008, False)}  # N, K, bits, group, mins
+# the word GEMV's pointer and float arguments (the others are int32 or compile-time constants)
+GEMV_TYPES = {**{n: "*fp16" for n in ("x_ptr", "s_ptr", "m_ptr", "b_ptr", "out_ptr")}, "xw_ptr": "*i32",
+              "q_ptr": "*i32", "eps": "fp32"}
 
 
 def compile_sm90(fn, constants: dict, types: dict, num_warps: int):
+    """``fn`` compiled for sm_90: ``constants`` the compile-time arguments, ``types`` the others' (int32 if absent)."""
     names = fn.arg_names
     sig = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constants.items()})
@@ -65,8 +69,6 @@ def opcode(instr: str) -> str:
 def report(shapes: list[str], mix: bool) -> None:
     fn = qg._quant_gemv_kernel
     constexprs = {n for n, p in inspect.signature(fn.fn).parameters.items() if "constexpr" in str(p.annotation)}
-    types = {n: "*fp16" for n in ("x_ptr", "s_ptr", "m_ptr", "b_ptr", "out_ptr")}
-    types.update(xw_ptr="*i32", q_ptr="*i32", eps="fp32")
     for name in shapes:
         n, k, bits, group, mins = SHAPES[name]
         per = 32 // bits
@@ -82,7 +84,7 @@ def report(shapes: list[str], mix: bool) -> None:
             for arg, value in (("GROUP", group), ("stride_qn", k // per), ("stride_sn", k // group)):
                 if arg in constexprs:  # compile-time constants in this source tree
                     cons[arg] = value
-            loop, regs = disassemble(compile_sm90(fn, cons, types, cfg.num_warps))
+            loop, regs = disassemble(compile_sm90(fn, cons, GEMV_TYPES, cfg.num_warps))
             words = cfg.block_n * cfg.words / (32 * cfg.num_warps)  # a thread's words of a tile
             print(f"{name:6s} {qg.short_name(cfg):22s} registers {regs:3d}, main loop {len(loop):4d} instructions, "
                   f"{len(loop) / words:5.1f} a word", flush=True)

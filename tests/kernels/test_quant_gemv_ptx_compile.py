@@ -12,12 +12,10 @@ import sys
 from pathlib import Path
 
 SCRIPT = r"""
-import itertools, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import itertools
+from quant_gemv_sass import GEMV_TYPES, compile_sm90  # tests/kernels, on the subprocess's PYTHONPATH
 from rooflm.kernels.quant_gemv import _quant_gemv_kernel as fn
 
-names = fn.arg_names
 done = 0
 for bits, prefetch, pair, even_k, has_min, l2 in itertools.product((4, 8), (0, 1, 2), (False, True), (True, False),
                                                                    (False, True), (0, 3)):
@@ -29,10 +27,7 @@ for bits, prefetch, pair, even_k, has_min, l2 in itertools.product((4, 8), (0, 1
                 GROUP_WORDS=64 if bits == 8 else 16, ASM=True, PREFETCH=prefetch,
                 PAIR=pair, SILU_MUL=l2 and has_min, ADD_SUMSQ=False, RSTD=False, SS_BLOCK=1, TRIGGER=0, WAIT=False,
                 PRELOAD=False, L2_AHEAD=l2, r_ptr=None, nw_ptr=None, ro_ptr=None, ss_ptr=None)
-    sig = {n: "constexpr" if n in cons else "*fp16" if n in ("x_ptr", "s_ptr", "m_ptr", "b_ptr", "out_ptr")
-           else "*i32" if n in ("xw_ptr", "q_ptr") else "fp32" if n == "eps" else "i32" for n in names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in cons.items()})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2)).asm["ptx"]
+    ptx = compile_sm90(fn, cons, GEMV_TYPES, 2).asm["ptx"]
     what = f"bits={bits} prefetch={prefetch} pair={pair} even_k={even_k} mins={has_min} l2_ahead={l2}"
     assert "fma.rn.f16x2" in ptx, f"{what}: no float16x2 products in the PTX"
     assert "lop3.b32" in ptx or bits == 8, f"{what}: no nibble extraction in the PTX"
@@ -45,7 +40,7 @@ print("compiled", done)
 def test_word_gemv_ptx_form_compiles_for_sm90() -> None:
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root / "tests" / "kernels"), env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "compiled 72" in run.stdout, run.stdout
